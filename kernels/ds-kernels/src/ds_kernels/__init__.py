@@ -1,0 +1,24 @@
+"""ds-kernels: Triton kernels, each with a torch reference and a dispatcher.
+
+Every kernel is a dispatcher that runs the Triton kernel on CUDA tensors it supports when Triton
+imports, and the torch reference otherwise (CPU tensors, other dtypes, no Triton). Triton is an
+optional dependency (``ds-kernels[triton]``).
+"""
+
+from __future__ import annotations
+
+from ds_kernels._scaled_add import scaled_add, scaled_add_reference
+from ds_kernels._triton import triton_available
+from ds_kernels.api import Backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # kernels, each with its torch reference
+    "scaled_add",
+    "scaled_add_reference",
+    # dispatch
+    "Backend",
+    "triton_available",
+    "__version__",
+]

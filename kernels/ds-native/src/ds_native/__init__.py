@@ -1,0 +1,30 @@
+"""ds-native: C kernels built through cffi at install time, each with a torch reference.
+
+Every kernel is a dispatcher that runs the C kernel on contiguous CPU tensors of the dtypes it
+supports and the torch reference otherwise, including when the package was installed without a
+C compiler (then it warns once, with ``NativeFallbackWarning``).
+"""
+
+from __future__ import annotations
+
+from ds_native._axpy import axpy, axpy_reference
+from ds_native._ext import build_info, native_available, simd_level
+from ds_native.api import Backend, BuildInfo, NativeFallbackWarning, SimdLevel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # kernels, each with its torch reference
+    "axpy",
+    "axpy_reference",
+    # build and CPU introspection
+    "native_available",
+    "build_info",
+    "simd_level",
+    # types
+    "Backend",
+    "BuildInfo",
+    "NativeFallbackWarning",
+    "SimdLevel",
+    "__version__",
+]

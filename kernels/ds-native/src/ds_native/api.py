@@ -1,0 +1,32 @@
+"""Public types of ds_native."""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+Backend = Literal["native", "torch"]
+"""Which implementation a dispatcher runs: the C kernel or the torch reference."""
+
+SimdLevel = Literal["avx512", "avx2", "neon", "scalar"]
+"""Widest SIMD instruction set the running CPU (and OS) supports, as the kernels will use it."""
+
+
+class BuildInfo(TypedDict):
+    """What ``ds_native.build_info()`` reports about the C extension."""
+
+    available: bool
+    """Whether the C extension loaded; when False the dispatchers use the torch references."""
+    reason: str | None
+    """Why the extension is unavailable (None when it is available)."""
+    simd_level: SimdLevel | None
+    """SIMD level of the running CPU, from ``__builtin_cpu_supports`` (None without extension)."""
+    compiled_simd: str | None
+    """Instruction set the compiler targeted for the baseline code (e.g. ``"sse2"``)."""
+    compiler: str | None
+    """Compiler that built the extension, e.g. ``"gcc 12.2.0"``."""
+    compile_args: list[str] | None
+    """Extra compile arguments the extension was built with."""
+
+
+class NativeFallbackWarning(RuntimeWarning):
+    """Issued once per process when a native kernel is requested but the C extension is missing."""

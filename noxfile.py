@@ -1,0 +1,87 @@
+"""Sessions: lint, one isolated test session per distribution, integration, bench.
+
+Each ``test-<dist>`` session syncs ONLY that distribution and its ``test`` dependency group from
+``uv.lock`` into a fresh venv, installed as a wheel (not editable), then runs its tests: a
+dependency a package forgot to declare fails here, as it would for a user who installs it alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+
+DISTRIBUTIONS = {
+    "ds-testing": "tools/ds-testing",
+    "ds-comm": "packages/ds-comm",
+    "ds-kernels": "kernels/ds-kernels",
+    "ds-native": "kernels/ds-native",
+    "ds-optim": "packages/ds-optim",
+    "ds-offload-aio": "packages/ds-offload-aio",
+    "ds-zero": "packages/ds-zero",
+    "ds-pipe": "packages/ds-pipe",
+    "ds-moe": "packages/ds-moe",
+    "ds-launch": "packages/ds-launch",
+    "ds-engine": "packages/ds-engine",
+}
+
+# The default CI run: everything but benchmarks and tests marked slow.
+nox.options.sessions = ["lint", *(f"test-{name}" for name in DISTRIBUTIONS), "integration"]
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """``uv sync`` from the lock file into this session's venv."""
+    session.run_install(
+        "uv", "sync", "--locked", "--no-dev", "--no-editable", *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    args = session.posargs or ["-m", "not slow"]
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    session.run("python", "-m", "pytest", "-q", *paths, *args, env=env)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + format check on the whole tree, and the import layering contracts."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    _sync(session, "--all-packages", "--inexact")
+    session.run("lint-imports")
+
+
+def _make_test_session(name: str, path: str) -> None:
+    @nox.session(name=f"test-{name}")
+    def test(session: nox.Session) -> None:
+        _sync(session, "--package", name, "--group", "test")
+        _pytest(session, f"{path}/tests")
+
+    test.__doc__ = f"Install {name} alone (+ its test group) and run its tests."
+
+
+for _name, _path in DISTRIBUTIONS.items():
+    _make_test_session(_name, _path)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Install the whole stack (ds-engine and everything) and run the cross-package tests."""
+    _sync(session, "--all-packages", "--group", "integration")
+    _pytest(session, "integration")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not in the default run): print tables next to the peer measured in the same run."""
+    _sync(session, "--all-packages")
+    scripts = session.posargs or ["comm"]
+    for script in scripts:
+        session.run("python", f"tools/bench/{script}.py")

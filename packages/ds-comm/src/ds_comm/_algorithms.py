@@ -1,0 +1,481 @@
+"""Collective algorithms as pure functions over an explicit group: fallbacks and faster paths.
+
+Each function issues its communication at once and returns a :class:`Pending` whose ``wait()``
+finishes the call (waits the transfers, runs the local reductions and copies), so every algorithm
+serves both sync and ``async_op`` callers. Ranks (``ranks``: the group's global ranks in group
+order; ``me``: this rank's index in it) are passed in, never read from globals. ``_collectives``
+decides which algorithm a call uses; see [Note: choosing an algorithm] there.
+
+[Note: p2p moves bytes]
+Point-to-point transfers only move bytes, so every transfer here goes through :func:`wire`, a
+``uint8`` view of the tensor. This makes the p2p algorithms dtype-agnostic: gloo has no kernels
+for int16, uint16/32 or float8 (``RuntimeError: Invalid scalar type``), yet their bytes travel
+fine. Reductions then happen locally in :func:`accumulate_dtype`, a dtype torch can compute in.
+
+[Note: algorithm tags]
+Gloo matches a receive to a send by (peer, tag) in posting order. Algorithm traffic uses its own
+tags so it never pairs with a user's ``isend``/``irecv`` (tag 0 by default) in flight at the same
+time. Direct algorithms post every transfer from the calling thread in call order, which is the
+same order on every rank, so one tag serves all of them. Ring algorithms run on a helper thread
+(their steps depend on each other) and so may interleave with later calls: each ring call gets a
+tag of its own from the caller (a per-group counter that advances identically on every rank).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+__all__ = [
+    "DIRECT_TAG",
+    "RING_TAG_BASE",
+    "Pending",
+    "accumulate_dtype",
+    "all_gather_direct",
+    "all_gather_ring",
+    "all_reduce_upcast",
+    "all_to_all_direct",
+    "broadcast_bytes",
+    "local_reduce",
+    "reduce_scatter_allreduce",
+    "reduce_scatter_direct",
+    "reduce_scatter_ring",
+    "reduce_upcast",
+    "upcast_dtype",
+    "wire",
+]
+
+DIRECT_TAG = 0x44530000
+RING_TAG_BASE = 0x44540000  # + a per-group counter below 2**16
+
+# Dtypes that gloo (some or all versions) cannot reduce, and the dtype to reduce them in instead.
+# Casting back after an integer upcast wraps exactly like the narrow dtype would (two's complement).
+_UPCAST = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.int16: torch.int32,
+    torch.uint16: torch.int64,
+    torch.uint32: torch.int64,
+}
+# Dtypes without CPU arithmetic kernels in torch ("add_stub not implemented for 'UInt16'").
+_NO_CPU_MATH = {torch.uint16: torch.int64, torch.uint32: torch.int64}
+
+_BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
+
+
+def upcast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to communicate a reduction of ``dtype`` in when the backend cannot reduce it."""
+    if dtype.is_floating_point and dtype.itemsize == 1:  # the float8 family
+        return torch.float32
+    return _UPCAST.get(dtype, dtype)
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to reduce ``dtype`` in locally: itself unless torch lacks kernels for it."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return torch.float32
+    return _NO_CPU_MATH.get(dtype, dtype)
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of contiguous ``t`` for p2p transfer; see [Note: p2p moves bytes]."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def local_reduce(acc: torch.Tensor, other: torch.Tensor, op: Any) -> None:
+    """``acc = acc (op) other`` in place; AVG accumulates a sum (the caller divides once at the end)."""
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        acc.add_(other)
+    elif op == ReduceOp.PRODUCT:
+        acc.mul_(other)
+    elif op == ReduceOp.MIN:
+        torch.minimum(acc, other, out=acc)
+    elif op == ReduceOp.MAX:
+        torch.maximum(acc, other, out=acc)
+    elif op == ReduceOp.BAND:
+        acc.bitwise_and_(other)
+    elif op == ReduceOp.BOR:
+        acc.bitwise_or_(other)
+    elif op == ReduceOp.BXOR:
+        acc.bitwise_xor_(other)
+    else:
+        raise ValueError(f"reduce op {op} is not supported by ds-comm's fallback algorithms")
+
+
+def _average(acc: torch.Tensor, n: int) -> None:
+    if acc.is_floating_point() or acc.is_complex():
+        acc.div_(n)
+    else:
+        acc.div_(n, rounding_mode="trunc")
+
+
+def _native_op(op: Any) -> Any:
+    # Backends that lack AVG (old gloo) all have SUM; dividing once afterwards is the same result.
+    return ReduceOp.SUM if op == ReduceOp.AVG else op
+
+
+class Pending:
+    """Handle of a posted algorithm: ``wait()`` waits ``works``, then runs ``finish`` (once).
+
+    Behaves like a torch work handle for :class:`~ds_comm._instrument.TrackedWork`.
+    """
+
+    def __init__(self, works: Sequence[Any] = (), finish: Callable[[], None] | None = None) -> None:
+        self._works = list(works)
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._done:
+            return True
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(work.is_completed() for work in self._works)
+
+    def get_future(self) -> Any:
+        raise NotImplementedError("ds-comm multi-step collectives have no future; call wait()")
+
+    def then(self, fn: Callable[[], None]) -> Pending:
+        """A handle that finishes this one, then runs ``fn`` (e.g. a copy into the caller's tensor)."""
+        return Pending((self,), fn)
+
+
+class _Threaded(Pending):
+    """Runs a multi-step algorithm (a ring) on a helper thread so ``async_op`` callers overlap it."""
+
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        super().__init__()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the thread that waits
+            self._error = exc
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._thread.join(None if timeout is None else timeout.total_seconds())
+        if self._thread.is_alive():
+            raise RuntimeError(f"{self._thread.name} did not finish within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def _post(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: Any,
+    tag: int,
+) -> tuple[list[Any], list[Any]]:
+    """Post byte transfers to/from global ranks; returns (recv works, send works).
+
+    Receives go first so a peer's data has a destination as it arrives. NCCL needs the transfers
+    of one step grouped (or a pair of blocking sends deadlocks), so there they are one batch
+    whose works all count as receives.
+    """
+    if "nccl" in str(dist.get_backend(group)):
+        ops = [dist.P2POp(dist.irecv, wire(t), peer, group, tag) for t, peer in recvs]
+        ops += [dist.P2POp(dist.isend, wire(t), peer, group, tag) for t, peer in sends]
+        return (list(dist.batch_isend_irecv(ops)) if ops else []), []
+    recv_works = [dist.irecv(wire(t), peer, group, tag) for t, peer in recvs]
+    send_works = [dist.isend(wire(t), peer, group, tag) for t, peer in sends]
+    return recv_works, send_works
+
+
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # In-place callers (FSDP-style) pass the input as a view of their own output slot.
+    if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
+        dst.copy_(src.reshape(dst.shape))
+
+
+class _BlockPending(Pending):
+    """A Pending whose ``finish`` waits the works itself (block by block, to overlap reduction)."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._done:
+            assert self._finish is not None
+            self._finish()
+            self._done = True
+        return True
+
+
+# --- all-gather ----------------------------------------------------------------------------------
+
+
+def all_gather_direct(
+    outputs: Sequence[torch.Tensor],
+    input: torch.Tensor,
+    group: Any,
+    *,
+    ranks: Sequence[int],
+    me: int,
+) -> Pending:
+    """Every rank sends its input straight to every peer; ``outputs[i]`` (contiguous) get rank i's.
+
+    Total traffic is the ring's ((n-1)/n of the output per rank) but in one step, with no
+    intermediate copies; sizes may differ per rank. Best for the few ranks of one host.
+    """
+    n = len(ranks)
+    # Staggered peer order (me+1, me+2, ...) so no rank is everyone's first destination.
+    peers = [(me + k) % n for k in range(1, n)]
+    recv_works, send_works = _post(
+        [(input, ranks[p]) for p in peers],
+        [(outputs[(me - k) % n], ranks[(me - k) % n]) for k in range(1, n)],
+        group,
+        DIRECT_TAG,
+    )
+    _copy_unless_same(outputs[me], input)
+    return Pending(recv_works + send_works)
+
+
+def all_gather_ring(
+    outputs: Sequence[torch.Tensor],
+    input: torch.Tensor,
+    group: Any,
+    *,
+    ranks: Sequence[int],
+    me: int,
+    tag: int,
+) -> Pending:
+    """Ring all-gather over p2p: n-1 steps, each forwarding the block received last step.
+
+    Each rank only talks to its ring neighbours, so per-link traffic is optimal across hosts.
+    """
+    n = len(ranks)
+    nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    _copy_unless_same(outputs[me], input)
+
+    def steps() -> None:
+        for k in range(n - 1):
+            recv_works, send_works = _post(
+                [(outputs[(me - k) % n], nxt)], [(outputs[(me - k - 1) % n], prv)], group, tag
+            )
+            for work in recv_works + send_works:
+                work.wait()
+
+    return _Threaded(steps, "ds-comm-ring-all-gather")
+
+
+# --- reduce-scatter ------------------------------------------------------------------------------
+
+_BLOCK_BYTES = 1 << 20
+
+
+def reduce_scatter_direct(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    op: Any,
+    group: Any,
+    *,
+    ranks: Sequence[int],
+    me: int,
+    block_bytes: int = _BLOCK_BYTES,
+) -> Pending:
+    """Every rank sends ``inputs[p]`` straight to rank p and reduces what it receives, block by block.
+
+    ``output`` (contiguous) gets the reduction of every rank's ``inputs[me]``; sizes may differ
+    per destination. Transfers are cut into ``block_bytes`` blocks, all posted at once, so
+    reducing one block overlaps receiving the next. With two ranks and a computable dtype the
+    peer's block lands in ``output`` itself: no scratch memory at all.
+    """
+    n = len(ranks)
+    numel = output.numel()
+    block = max(1, block_bytes // max(1, output.element_size()))
+    acc_dtype = accumulate_dtype(output.dtype)
+    own = inputs[me].reshape(-1)
+    flat_out = output.view(-1)
+    in_place = n == 2 and acc_dtype == output.dtype and op != ReduceOp.AVG
+    peers = [(me - k) % n for k in range(1, n)]  # receive order; senders stagger the same way
+    scratch = None if in_place else torch.empty((n - 1, numel), dtype=output.dtype)
+    starts = range(0, max(numel, 1), block)
+    recvs = []
+    for start in starts:
+        stop = min(start + block, numel)
+        bufs = [flat_out[start:stop]] if scratch is None else list(scratch[:, start:stop])
+        recvs += zip(bufs, [ranks[p] for p in peers])
+    sends = []
+    for k in range(1, n):
+        p = (me + k) % n
+        chunk = inputs[p].reshape(-1)
+        # Same dtype on every rank, so the receiver cuts this chunk into the same blocks.
+        sends += [(chunk[s : s + block], ranks[p]) for s in range(0, max(chunk.numel(), 1), block)]
+    recv_all, send_all = _post(sends, recvs, group, DIRECT_TAG)
+    if len(recv_all) == len(recvs):
+        per_block = [recv_all[i * (n - 1) : (i + 1) * (n - 1)] for i in range(len(starts))]
+    else:  # one NCCL batch: all blocks arrive together
+        per_block = [recv_all] + [[] for _ in starts[1:]]
+    recv_blocks = list(zip(starts, per_block))
+
+    def finish() -> None:
+        for start, works in recv_blocks:
+            for work in works:
+                work.wait()
+            stop = min(start + block, numel)
+            if scratch is None:
+                local_reduce(flat_out[start:stop], own[start:stop], op)
+                continue
+            acc = own[start:stop].to(acc_dtype, copy=True)
+            for i in range(n - 1):
+                local_reduce(acc, scratch[i, start:stop].to(acc_dtype), op)
+            if op == ReduceOp.AVG:
+                _average(acc, n)
+            flat_out[start:stop].copy_(acc)
+        for work in send_all:
+            work.wait()
+
+    return _BlockPending(recv_all + send_all, finish)
+
+
+def reduce_scatter_ring(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    op: Any,
+    group: Any,
+    *,
+    ranks: Sequence[int],
+    me: int,
+    tag: int,
+) -> Pending:
+    """Ring reduce-scatter over p2p: n-1 steps, each adding the partial received to the own block.
+
+    After step k a rank holds the partial reduction of block ``(me-k-2) % n`` over k+2 ranks;
+    the last one is its own block, fully reduced. Partials travel in the accumulation dtype.
+    """
+    n = len(ranks)
+    nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    acc_dtype = accumulate_dtype(output.dtype)
+
+    def steps() -> None:
+        acc = inputs[(me - 1) % n].reshape(-1).to(acc_dtype, copy=True)
+        for k in range(n - 1):
+            j = (me - k - 2) % n
+            incoming = torch.empty(inputs[j].numel(), dtype=acc_dtype)
+            recv_works, send_works = _post([(acc, nxt)], [(incoming, prv)], group, tag)
+            for work in recv_works + send_works:
+                work.wait()
+            local_reduce(incoming, inputs[j].reshape(-1).to(acc_dtype), op)
+            acc = incoming
+        if op == ReduceOp.AVG:
+            _average(acc, n)
+        output.view(-1).copy_(acc)
+
+    if n == 1:
+        return Pending(finish=steps)  # no peers: nothing to overlap, no thread
+    return _Threaded(steps, "ds-comm-ring-reduce-scatter")
+
+
+def reduce_scatter_allreduce(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    op: Any,
+    group: Any,
+    *,
+    me: int,
+    comm_dtype: torch.dtype,
+) -> Pending:
+    """One all-reduce of all blocks (in ``comm_dtype``), then keep the own block.
+
+    Needs only all_reduce from the backend; moves ~2x the data of a reduce-scatter.
+    """
+    flat = torch.cat([t.reshape(-1).to(comm_dtype) for t in inputs])
+    offset = sum(t.numel() for t in inputs[:me])
+    work = dist.all_reduce(flat, op=_native_op(op), group=group, async_op=True)
+
+    def finish() -> None:
+        mine = flat[offset : offset + output.numel()]
+        if op == ReduceOp.AVG:
+            _average(mine, len(inputs))
+        output.view(-1).copy_(mine)
+
+    return Pending([work], finish)
+
+
+# --- reductions in a wider dtype -----------------------------------------------------------------
+
+
+def all_reduce_upcast(
+    tensor: torch.Tensor, op: Any, group: Any, *, comm_dtype: torch.dtype, n: int
+) -> Pending:
+    """All-reduce a ``comm_dtype`` copy (e.g. fp32 for bf16) and cast the result back into ``tensor``.
+
+    The result is rounded once instead of at every step, so it is at least as accurate as a
+    native low-precision reduction.
+    """
+    wide = tensor.to(comm_dtype, copy=True)
+    work = dist.all_reduce(wide, op=_native_op(op), group=group, async_op=True)
+
+    def finish() -> None:
+        if op == ReduceOp.AVG:
+            _average(wide, n)
+        tensor.copy_(wide)
+
+    return Pending([work], finish)
+
+
+def reduce_upcast(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any,
+    group: Any,
+    *,
+    comm_dtype: torch.dtype,
+    n: int,
+    is_dst: bool,
+) -> Pending:
+    """Reduce a ``comm_dtype`` copy to global rank ``dst``; only ``dst``'s tensor is written."""
+    wide = tensor.to(comm_dtype, copy=True)
+    work = dist.reduce(wide, dst, op=_native_op(op), group=group, async_op=True)
+
+    def finish() -> None:
+        if is_dst:
+            if op == ReduceOp.AVG:
+                _average(wide, n)
+            tensor.copy_(wide)
+
+    return Pending([work], finish)
+
+
+# --- data movement -------------------------------------------------------------------------------
+
+
+def broadcast_bytes(tensor: torch.Tensor, src: int, group: Any) -> Pending:
+    """Broadcast the bytes of contiguous ``tensor`` (for dtypes the backend has no type for)."""
+    return Pending([dist.broadcast(wire(tensor), src, group=group, async_op=True)])
+
+
+def all_to_all_direct(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: Any,
+    *,
+    ranks: Sequence[int],
+    me: int,
+) -> Pending:
+    """All-to-all over p2p: ``inputs[p]`` goes to rank p, ``outputs[p]`` (contiguous) comes from it."""
+    n = len(ranks)
+    recv_works, send_works = _post(
+        [(inputs[(me + k) % n], ranks[(me + k) % n]) for k in range(1, n)],
+        [(outputs[(me - k) % n], ranks[(me - k) % n]) for k in range(1, n)],
+        group,
+        DIRECT_TAG,
+    )
+    _copy_unless_same(outputs[me], inputs[me])
+    return Pending(recv_works + send_works)

@@ -1,0 +1,774 @@
+"""The public collectives: ``torch.distributed``'s signatures, each call tracked, the best algorithm.
+
+Every op goes through :func:`ds_comm._instrument.tracked` with its message size (nccl-tests
+convention, which the comms logger turns into algbw/busbw) and the name of the algorithm used.
+``src``/``dst``/``peer`` are global ranks, as in torch; ``group=None`` is the default group.
+
+[Note: choosing an algorithm]
+Per call, in order:
+
+1. ``force_algorithm(op=algo)`` (a context manager) or ``DS_COMM_FORCE_ALGO="op=algo,..."``: tests
+   and benchmarks pin an algorithm, including the fallbacks that the running torch never needs.
+2. A fallback, if the backend was found unable to run this op natively for this dtype and reduce
+   op. Nothing is assumed up front: the first call tries the native op, and if the backend
+   refuses it while issuing it ("Invalid scalar type", "does not support ...") the verdict is
+   cached per (backend, op, dtype, reduce op) and the call runs again with the fallback as a new
+   tracked call (so every rank, meeting the same refusal, advances its sequence number alike).
+   Fallbacks keep the bandwidth order of the op they replace (never gather-to-rank-0): all-reduce
+   and reduce in a wider dtype (bf16/fp16 in fp32, int16 in int32); broadcast as bytes; all-gather,
+   reduce-scatter and all-to-all as direct p2p transfers of bytes with local reduction.
+3. The fastest algorithm measured for the backend (``tools/bench/comm.py``). On gloo, between 2
+   and 8 ranks, all-gather and reduce-scatter are ``direct`` (every rank sends each peer its block
+   at once; reduce-scatter reduces block by block as data arrives): gloo's own reach a third of
+   its all-reduce bus bandwidth on one host, direct is 2-4x faster from 64 KiB up. Beyond 8 ranks
+   the native ring (fewer, larger messages per link) is kept. NCCL's native ops are optimal, and
+   every other op uses the native one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_comm import _algorithms as alg
+from ds_comm._instrument import TrackedWork, group_ranks, tracked
+from ds_comm.api import ConfigError, ReduceOp
+
+__all__ = [
+    "ALGORITHMS",
+    "FORCE_ENV",
+    "P2POp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "force_algorithm",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
+]
+
+# The algorithms each op can run; the second entry is the op's fallback.
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("native", "upcast"),
+    "reduce": ("native", "upcast"),
+    "broadcast": ("native", "bytes"),
+    "all_gather": ("native", "direct", "ring"),
+    "all_gather_into_tensor": ("native", "direct", "ring"),
+    "reduce_scatter": ("native", "direct", "ring", "allreduce-slice"),
+    "reduce_scatter_tensor": ("native", "direct", "ring", "allreduce-slice"),
+    "all_to_all_single": ("native", "direct"),
+}
+FORCE_ENV = "DS_COMM_FORCE_ALGO"
+
+_DIRECT_MAX_RANKS = 8
+_FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "ds_comm_forced_algorithms", default=None
+)
+# (backend, op, dtype, reduce op) combinations the backend refused to run natively.
+_UNSUPPORTED: set[tuple[str, str, str, str]] = set()
+# Refusals, as worded by gloo ("Invalid scalar type"), NCCL and c10d ("... does not support ...").
+_CAPABILITY_ERROR = re.compile(
+    r"invalid scalar type|not supported|unsupported|does not support|not implemented"
+    r"|cannot use reduceop\.avg",
+    re.IGNORECASE,
+)
+_RING_CALLS: dict[tuple[int, ...], int] = {}
+
+
+class _Unsupported(Exception):
+    """The backend refused to issue an op natively (raised at issue time, before any transfer)."""
+
+
+# --- algorithm choice ----------------------------------------------------------------------------
+
+
+def _check(algos: Mapping[str, str], where: str) -> dict[str, str]:
+    for op, algo in algos.items():
+        if op not in ALGORITHMS:
+            raise ConfigError(
+                f"{where}: {op!r} is not an op with algorithms; ops: {sorted(ALGORITHMS)}"
+            )
+        if algo not in ALGORITHMS[op]:
+            raise ConfigError(
+                f"{where}: {op} has no algorithm {algo!r}; choose from {ALGORITHMS[op]}"
+            )
+    return dict(algos)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_env(raw: str) -> dict[str, str]:
+    pairs = [item.split("=", 1) for item in raw.replace(" ", "").split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ConfigError(f"{FORCE_ENV}={raw!r}: expected 'op=algo,op=algo'")
+    return _check(dict(pairs), FORCE_ENV)
+
+
+@contextlib.contextmanager
+def force_algorithm(**algos: str) -> Iterator[None]:
+    """Run the named ops with the named algorithms inside the block (tests, benchmarks).
+
+    Every rank of the group must force the same algorithms. Valid names are in ``ALGORITHMS``.
+
+    Example:
+        >>> with force_algorithm(reduce_scatter_tensor="ring", all_reduce="upcast"):
+        ...     reduce_scatter_tensor(shard, full)
+    """
+    token = _FORCED.set({**(_FORCED.get() or {}), **_check(algos, "force_algorithm")})
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def _forced(op: str) -> str | None:
+    forced = _FORCED.get()
+    algo = forced.get(op) if forced else None
+    if algo is None and (raw := os.environ.get(FORCE_ENV)):
+        algo = _parse_env(raw).get(op)
+    return algo
+
+
+def _backend(group: Any, tensor: torch.Tensor) -> str:
+    name = str(dist.get_backend(group))
+    if ":" in name:  # e.g. "cpu:gloo,cuda:nccl": the tensor's device picks the backend
+        return dict(part.split(":", 1) for part in name.split(",")).get(tensor.device.type, name)
+    return name
+
+
+def _prefer_direct(backend: str, n: int) -> str:
+    return "direct" if backend == "gloo" and 2 <= n <= _DIRECT_MAX_RANKS else "native"
+
+
+def _ring_tag(ranks: tuple[int, ...]) -> int:
+    # See [Note: algorithm tags] in _algorithms.py: advances identically on every member.
+    count = _RING_CALLS.get(ranks, 0)
+    _RING_CALLS[ranks] = count + 1
+    return alg.RING_TAG_BASE + count % (1 << 16)
+
+
+def _membership(group: Any) -> tuple[tuple[int, ...], int] | None:
+    """(global ranks of the group, this rank's index in it), or None when not a member (no-op)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    ranks = group_ranks(group)
+    me = dist.get_rank()
+    return (ranks, ranks.index(me)) if me in ranks else None
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _run(
+    op: str,
+    group: Any,
+    tensors: Sequence[torch.Tensor],
+    *,
+    msg_bytes: int,
+    async_op: bool,
+    preferred: str,
+    redop: Any = None,
+    issue: Callable[[str], Any],
+) -> TrackedWork | None:
+    """Issue ``op`` as a tracked call with the algorithm chosen per [Note: choosing an algorithm]."""
+    forced = _forced(op)
+    key = (_backend(group, tensors[0]), op, str(tensors[0].dtype), str(redop))
+    algo = forced or (ALGORITHMS[op][1] if key in _UNSUPPORTED else preferred)
+    if algo != "native" or forced is not None:
+        return tracked(
+            op,
+            group,
+            tensors,
+            msg_bytes=msg_bytes,
+            algo=algo,
+            async_op=async_op,
+            run=lambda: issue(algo),
+        )
+
+    def native() -> Any:
+        try:
+            return issue("native")
+        except (RuntimeError, NotImplementedError) as exc:
+            if _CAPABILITY_ERROR.search(str(exc)):
+                raise _Unsupported(str(exc)) from exc
+            raise
+
+    try:
+        return tracked(
+            op, group, tensors, msg_bytes=msg_bytes, algo="native", async_op=async_op, run=native
+        )
+    except _Unsupported:
+        _UNSUPPORTED.add(key)
+    fallback = ALGORITHMS[op][1]
+    return tracked(
+        op,
+        group,
+        tensors,
+        msg_bytes=msg_bytes,
+        algo=fallback,
+        async_op=async_op,
+        run=lambda: issue(fallback),
+    )
+
+
+def _contiguous_outputs(
+    outputs: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
+    """Contiguous stand-ins for ``outputs`` and the copy-back that fills the originals."""
+    staged = [
+        t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        for t in outputs
+    ]
+    pairs = [(t, s) for t, s in zip(outputs, staged) if s is not t]
+    if not pairs:
+        return staged, None
+
+    def copy_back() -> None:
+        for t, s in pairs:
+            t.copy_(s)
+
+    return staged, copy_back
+
+
+def _then(pending: alg.Pending, fn: Callable[[], None] | None) -> alg.Pending:
+    return pending if fn is None else pending.then(fn)
+
+
+# --- reductions and broadcast --------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> TrackedWork | None:
+    """Reduce ``tensor`` across the group in place; every rank gets the result.
+
+    Example:
+        >>> grad = torch.ones(4)
+        >>> ds_comm.all_reduce(grad)  # grad == world_size everywhere
+    """
+    if (member := _membership(group)) is None:
+        return None
+    n = len(member[0])
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return alg.all_reduce_upcast(
+            tensor, op, group, comm_dtype=alg.upcast_dtype(tensor.dtype), n=n
+        )
+
+    return _run(
+        "all_reduce",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        async_op=async_op,
+        preferred="native",
+        redop=op,
+        issue=issue,
+    )
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> TrackedWork | None:
+    """Reduce ``tensor`` across the group into global rank ``dst`` (other ranks' data is untouched
+    by the fallback and unspecified natively, as in torch)."""
+    if (member := _membership(group)) is None:
+        return None
+    n = len(member[0])
+    is_dst = dist.get_rank() == dst
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.reduce(tensor, dst, op=op, group=group, async_op=True)
+        return alg.reduce_upcast(
+            tensor, dst, op, group, comm_dtype=alg.upcast_dtype(tensor.dtype), n=n, is_dst=is_dst
+        )
+
+    return _run(
+        "reduce",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        async_op=async_op,
+        preferred="native",
+        redop=op,
+        issue=issue,
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
+) -> TrackedWork | None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    if _membership(group) is None:
+        return None
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.broadcast(tensor, src, group=group, async_op=True)
+        return alg.broadcast_bytes(tensor, src, group)
+
+    return _run(
+        "broadcast",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        async_op=async_op,
+        preferred="native",
+        issue=issue,
+    )
+
+
+# --- all-gather ----------------------------------------------------------------------------------
+
+
+def _gather_algorithm(
+    algo: str,
+    outputs: Sequence[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Any,
+    ranks: tuple[int, ...],
+    me: int,
+) -> alg.Pending:
+    staged, copy_back = _contiguous_outputs(outputs)
+    source = tensor.contiguous()
+    if algo == "ring":
+        pending = alg.all_gather_ring(
+            staged, source, group, ranks=ranks, me=me, tag=_ring_tag(ranks)
+        )
+    else:
+        pending = alg.all_gather_direct(staged, source, group, ranks=ranks, me=me)
+    return _then(pending, copy_back)
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> TrackedWork | None:
+    """Gather every rank's ``tensor`` into ``tensor_list`` (one entry per group rank, in order).
+
+    Entries may differ in size between ranks (``tensor_list[i]`` matches rank i's ``tensor``),
+    also on gloo, whose native all_gather needs equal sizes.
+    """
+    if (member := _membership(group)) is None:
+        return None
+    ranks, me = member
+    if len(tensor_list) != len(ranks):
+        raise ValueError(
+            f"all_gather: tensor_list has {len(tensor_list)} entries, group has {len(ranks)} ranks"
+        )
+    backend = _backend(group, tensor)
+    preferred = _prefer_direct(backend, len(ranks))
+    uniform = all(t.shape == tensor.shape and t.is_contiguous() for t in tensor_list)
+    if backend == "gloo" and not uniform:
+        preferred = "direct"  # gloo's own cannot take uneven or strided outputs
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=True)
+        return _gather_algorithm(algo, tensor_list, tensor, group, ranks, me)
+
+    return _run(
+        "all_gather",
+        group,
+        [tensor, *tensor_list],
+        msg_bytes=_nbytes(tensor_list),
+        async_op=async_op,
+        preferred=preferred,
+        issue=issue,
+    )
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+) -> TrackedWork | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor``, concatenated in group-rank order.
+
+    Example:
+        >>> full = torch.empty(world_size * shard.numel())
+        >>> ds_comm.all_gather_into_tensor(full, shard)
+    """
+    if (member := _membership(group)) is None:
+        return None
+    ranks, me = member
+    n = len(ranks)
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=group, async_op=True
+            )
+        if output_tensor.numel() != n * input_tensor.numel() or not output_tensor.is_contiguous():
+            raise ValueError(
+                f"all_gather_into_tensor: output must be contiguous with {n} x {input_tensor.numel()}"
+                f" elements, got {tuple(output_tensor.shape)}"
+            )
+        chunks = list(output_tensor.view(-1).split(input_tensor.numel()))
+        return _gather_algorithm(algo, chunks, input_tensor.reshape(-1), group, ranks, me)
+
+    return _run(
+        "all_gather_into_tensor",
+        group,
+        [output_tensor, input_tensor],
+        msg_bytes=_nbytes([output_tensor]),
+        async_op=async_op,
+        preferred=_prefer_direct(_backend(group, input_tensor), n),
+        issue=issue,
+    )
+
+
+# --- reduce-scatter ------------------------------------------------------------------------------
+
+
+def _scatter_algorithm(
+    algo: str,
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    op: Any,
+    group: Any,
+    ranks: tuple[int, ...],
+    me: int,
+) -> alg.Pending:
+    staged, copy_back = _contiguous_outputs([output])
+    target = staged[0]
+    inputs = [t.contiguous() for t in inputs]
+    if algo == "ring":
+        pending = alg.reduce_scatter_ring(
+            target, inputs, op, group, ranks=ranks, me=me, tag=_ring_tag(ranks)
+        )
+    elif algo == "allreduce-slice":
+        key = (_backend(group, output), "all_reduce", str(output.dtype), str(op))
+        wide = alg.upcast_dtype(output.dtype) if key in _UNSUPPORTED else output.dtype
+        pending = alg.reduce_scatter_allreduce(target, inputs, op, group, me=me, comm_dtype=wide)
+    else:
+        pending = alg.reduce_scatter_direct(target, inputs, op, group, ranks=ranks, me=me)
+    return _then(pending, copy_back)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> TrackedWork | None:
+    """Reduce ``input_list[i]`` across ranks into rank i's ``output`` (sizes may differ per rank)."""
+    if (member := _membership(group)) is None:
+        return None
+    ranks, me = member
+    if len(input_list) != len(ranks):
+        raise ValueError(
+            f"reduce_scatter: input_list has {len(input_list)} entries, group has {len(ranks)} ranks"
+        )
+    backend = _backend(group, output)
+    preferred = _prefer_direct(backend, len(ranks))
+    if backend == "gloo" and not all(t.shape == output.shape for t in input_list):
+        preferred = "direct"
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=True)
+        return _scatter_algorithm(algo, output, input_list, op, group, ranks, me)
+
+    return _run(
+        "reduce_scatter",
+        group,
+        [output, *input_list],
+        msg_bytes=_nbytes(input_list),
+        async_op=async_op,
+        preferred=preferred,
+        redop=op,
+        issue=issue,
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> TrackedWork | None:
+    """Reduce ``input`` (group size x ``output`` elements) across ranks; rank i keeps block i.
+
+    Example:
+        >>> shard = torch.empty(grad.numel() // world_size)
+        >>> ds_comm.reduce_scatter_tensor(shard, grad)
+    """
+    if (member := _membership(group)) is None:
+        return None
+    ranks, me = member
+    n = len(ranks)
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
+        if input.numel() != n * output.numel():
+            raise ValueError(
+                f"reduce_scatter_tensor: input must have {n} x {output.numel()} elements, "
+                f"got {tuple(input.shape)}"
+            )
+        blocks = list(input.contiguous().view(-1).split(output.numel()))
+        return _scatter_algorithm(algo, output, blocks, op, group, ranks, me)
+
+    return _run(
+        "reduce_scatter_tensor",
+        group,
+        [output, input],
+        msg_bytes=_nbytes([input]),
+        async_op=async_op,
+        preferred=_prefer_direct(_backend(group, input), n),
+        redop=op,
+        issue=issue,
+    )
+
+
+# --- all-to-all and barrier ----------------------------------------------------------------------
+
+
+def _splits(sizes: Sequence[int] | None, rows: int, n: int, what: str) -> list[int]:
+    if sizes is None or len(sizes) == 0:
+        if rows % n:
+            raise ValueError(
+                f"all_to_all_single: {what} has {rows} rows, not divisible by {n} ranks"
+            )
+        return [rows // n] * n
+    if len(sizes) != n or sum(sizes) != rows:
+        raise ValueError(
+            f"all_to_all_single: {what} split sizes {list(sizes)} do not cover {rows} rows in {n} parts"
+        )
+    return list(sizes)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> TrackedWork | None:
+    """Split ``input`` along dim 0 and send block i to rank i; ``output`` gets block from each rank.
+
+    Split sizes count rows of dim 0 and may be uneven; ``None`` means equal blocks.
+    """
+    if (member := _membership(group)) is None:
+        return None
+    ranks, me = member
+    n = len(ranks)
+
+    def issue(algo: str) -> Any:
+        if algo == "native":
+            return dist.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=True
+            )
+        source = input.contiguous()
+        staged, copy_back = _contiguous_outputs([output])
+        outs = staged[0].split(_splits(output_split_sizes, output.size(0), n, "output"))
+        ins = source.split(_splits(input_split_sizes, input.size(0), n, "input"))
+        return _then(alg.all_to_all_direct(outs, ins, group, ranks=ranks, me=me), copy_back)
+
+    return _run(
+        "all_to_all_single",
+        group,
+        [output, input],
+        msg_bytes=_nbytes([input]),
+        async_op=async_op,
+        preferred="native",
+        issue=issue,
+    )
+
+
+def barrier(group: Any = None, async_op: bool = False) -> TrackedWork | None:
+    """Block until every rank of the group has entered the barrier."""
+    if _membership(group) is None:
+        return None
+    return tracked(
+        "barrier",
+        group,
+        [],
+        msg_bytes=0,
+        algo="native",
+        async_op=async_op,
+        run=lambda: dist.barrier(group=group, async_op=True),
+    )
+
+
+# --- point to point ------------------------------------------------------------------------------
+# Transfers move the tensor's bytes: see [Note: p2p moves bytes] in _algorithms.py.
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+    """Send contiguous ``tensor`` to global rank ``dst`` (blocks until it is handed over)."""
+    tracked(
+        "send",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        algo="native",
+        async_op=False,
+        run=lambda: dist.isend(alg.wire(tensor), dst, group=group, tag=tag),
+    )
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+    """Receive into contiguous ``tensor`` from global rank ``src`` (any rank if None).
+
+    Returns:
+        The global rank the data came from.
+    """
+    sender: list[int] = []
+
+    def run() -> None:
+        sender.append(dist.recv(alg.wire(tensor), src, group=group, tag=tag))
+
+    tracked(
+        "recv",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        algo="native",
+        async_op=False,
+        run=run,
+    )
+    return sender[0]
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> TrackedWork:
+    """Start sending ``tensor`` to global rank ``dst``; ``wait()`` the handle before reusing it."""
+    work = tracked(
+        "isend",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        algo="native",
+        async_op=True,
+        run=lambda: dist.isend(alg.wire(tensor), dst, group=group, tag=tag),
+    )
+    assert work is not None
+    return work
+
+
+def irecv(
+    tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
+) -> TrackedWork:
+    """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` before reading it."""
+    work = tracked(
+        "irecv",
+        group,
+        [tensor],
+        msg_bytes=_nbytes([tensor]),
+        algo="native",
+        async_op=True,
+        run=lambda: dist.irecv(alg.wire(tensor), src, group=group, tag=tag),
+    )
+    assert work is not None
+    return work
+
+
+class P2POp:
+    """One transfer of :func:`batch_isend_irecv`, as ``torch.distributed.P2POp``.
+
+    ``op`` is ``isend`` or ``irecv`` (ds-comm's or torch's); ``peer`` is a global rank.
+
+    Example:
+        >>> ops = [P2POp(isend, out, next_rank), P2POp(irecv, inp, prev_rank)]
+        >>> for work in batch_isend_irecv(ops):
+        ...     work.wait()
+    """
+
+    __slots__ = ("group", "op", "peer", "tag", "tensor")
+
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        tensor: torch.Tensor,
+        peer: int,
+        group: Any = None,
+        tag: int = 0,
+    ) -> None:
+        if op not in (isend, irecv, dist.isend, dist.irecv):
+            raise ValueError("P2POp: op must be isend or irecv (ds_comm's or torch.distributed's)")
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+
+    @property
+    def is_send(self) -> bool:
+        return self.op in (isend, dist.isend)
+
+
+class _BatchMember:
+    """One handle of a :func:`batch_isend_irecv` result; the last one waited completes the record."""
+
+    def __init__(self, work: Any, batch: TrackedWork) -> None:
+        self._work = work
+        self._batch = batch
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait() if timeout is None else self._work.wait(timeout)
+        if self._batch.is_completed():
+            self._batch.wait()  # every transfer is done: this only closes the call's record
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[_BatchMember]:
+    """Post a list of sends and receives at once (one tracked call); returns their handles."""
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
+    torch_ops = [
+        dist.P2POp(
+            dist.isend if p.is_send else dist.irecv, alg.wire(p.tensor), p.peer, p.group, p.tag
+        )
+        for p in p2p_op_list
+    ]
+    works: list[Any] = []
+
+    def run() -> alg.Pending:
+        works.extend(dist.batch_isend_irecv(torch_ops))
+        return alg.Pending(works)
+
+    tensors = [p.tensor for p in p2p_op_list]
+    batch = tracked(
+        "batch_isend_irecv",
+        p2p_op_list[0].group,
+        tensors,
+        msg_bytes=_nbytes(tensors),
+        algo="native",
+        async_op=True,
+        run=run,
+    )
+    assert batch is not None
+    return [_BatchMember(work, batch) for work in works]

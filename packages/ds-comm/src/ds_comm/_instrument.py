@@ -1,0 +1,305 @@
+"""The one path every ds-comm collective takes: sequence numbers, fingerprints, in-flight tracking.
+
+Each public op in ``_collectives.py`` calls :func:`tracked` with a closure that issues the torch op.
+Here the call gets a per-group sequence number and a :class:`Fingerprint` (op, shapes, dtype, call
+site), is marked in flight (the hang watchdog reads this), and on completion is handed to the comms
+logger. For async ops completion is the ``wait()`` of the returned :class:`TrackedWork`.
+
+See [Note: hang forensics] in ``_forensics.py`` for how fingerprints are used when a call hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "P2P_OPS",
+    "CallRecord",
+    "Fingerprint",
+    "TrackedWork",
+    "annotate",
+    "group_ranks",
+    "tracked",
+]
+
+# Point-to-point ops: only two ranks of the group take part, so group-wide checks skip them.
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+# Ops whose tensor shapes legitimately differ per rank (uneven splits, gather lists only on the
+# root), so shapes are left out of what must agree across ranks.
+_PER_RANK_SHAPES = frozenset(
+    {"all_to_all_single", "all_to_all", "all_gather", "gather", "scatter", "reduce_scatter"}
+)
+
+_SITE: contextvars.ContextVar[str | None] = contextvars.ContextVar("ds_comm_site", default=None)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a rank believes it is doing: compared across ranks to explain hangs and mismatches."""
+
+    op: str
+    seq: int
+    group: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    site: str
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``all_gather #1042 (layers.7.mlp)``."""
+        return f"{self.op} #{self.seq} ({self.site})"
+
+    def signature(self) -> tuple[Any, ...]:
+        """The part that must agree across ranks (the call site may legitimately differ)."""
+        shapes = None if self.op in _PER_RANK_SHAPES else self.shapes
+        return (self.op, self.seq, self.group, shapes, self.dtype)
+
+
+@dataclass
+class CallRecord:
+    """One collective call in progress or done.
+
+    ``group`` is the process group object (``None`` for the default group), kept so hooks can
+    issue their own raw ops on it. ``blocking`` is True while the issuing thread waits on the
+    call (from the start for sync ops, from ``wait()`` for async ones): when several calls are in
+    flight, the blocking one is where a hung rank is stuck.
+    """
+
+    fingerprint: Fingerprint
+    msg_bytes: int
+    algo: str
+    async_op: bool
+    group: Any = field(default=None, repr=False)
+    device: str = "cpu"
+    blocking: bool = False
+    start: float = field(default_factory=time.perf_counter)
+    end: float | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return (self.end if self.end is not None else time.perf_counter()) - self.start
+
+
+class _Tracker:
+    """Per-process bookkeeping: sequence counters per group and the calls now in flight."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # Per group (its global ranks); point-to-point calls count apart (key ends in "p2p").
+        self.seq: dict[tuple[Any, ...], int] = {}
+        self.in_flight: dict[int, CallRecord] = {}
+        self.last: CallRecord | None = None
+        self.ranks_cache: dict[int, tuple[int, ...]] = {}
+        # Hooks set by the logger / forensics modules; kept as plain attributes so the
+        # disabled case costs one attribute read per call.
+        self.on_begin: list[Callable[[CallRecord], None]] = []
+        self.on_end: list[Callable[[CallRecord], None]] = []
+        # Called with (record, exception) when an op raises; a hook may raise a clearer error
+        # (e.g. a gloo timeout becomes CollectiveTimeoutError naming where every rank is).
+        self.on_error: list[Callable[[CallRecord, BaseException], None]] = []
+
+    def reset(self) -> None:
+        with self.lock:
+            self.seq.clear()
+            self.in_flight.clear()
+            self.last = None
+            self.ranks_cache.clear()
+
+
+TRACKER = _Tracker()
+
+
+def group_ranks(group: Any | None) -> tuple[int, ...]:
+    """Global ranks of ``group`` (``None`` is the default group), cached per group object."""
+    key = id(group)
+    ranks = TRACKER.ranks_cache.get(key)
+    if ranks is None:
+        pg = group if group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        TRACKER.ranks_cache[key] = ranks
+    return ranks
+
+
+@contextlib.contextmanager
+def annotate(site: str) -> Iterator[None]:
+    """Name the code issuing collectives (e.g. ``"layers.7.mlp"``) for fingerprints and hang reports.
+
+    Example:
+        >>> with ds_comm.annotate("layers.7.mlp"):
+        ...     ds_comm.all_gather_into_tensor(out, shard)
+    """
+    token = _SITE.set(site)
+    try:
+        yield
+    finally:
+        _SITE.reset(token)
+
+
+def _call_site() -> str:
+    site = _SITE.get()
+    if site is not None:
+        return site
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _describe_tensors(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[tuple[tuple[int, ...], ...], str, str]:
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    if not tensors:
+        return shapes, "-", "cpu"
+    first = tensors[0]
+    # str(dtype) and device.type cost ~0.8 us each; this runs on every collective.
+    dtype = _DTYPE_NAMES.get(first.dtype)
+    if dtype is None:
+        dtype = _DTYPE_NAMES[first.dtype] = str(first.dtype).removeprefix("torch.")
+    device = "cuda" if first.is_cuda else "cpu" if first.is_cpu else first.device.type
+    return shapes, dtype, device
+
+
+def begin(
+    op: str,
+    group: Any | None,
+    tensors: Sequence[torch.Tensor],
+    *,
+    msg_bytes: int,
+    algo: str,
+    async_op: bool = False,
+) -> CallRecord:
+    """Register the start of a collective and return its record.
+
+    A hook that raises (e.g. the debug-mode fingerprint check) aborts the call before the op is
+    issued; the call is then reported through ``failed`` like an op error.
+    """
+    ranks = group_ranks(group)
+    shapes, dtype, device = _describe_tensors(tensors)
+    site = _call_site()
+    # Point-to-point calls involve two members only: counting them with the group's collectives
+    # would put the other members' sequence numbers out of step.
+    key = ranks if op not in P2P_OPS else (*ranks, "p2p")
+    with TRACKER.lock:
+        seq = TRACKER.seq.get(key, 0) + 1
+        TRACKER.seq[key] = seq
+        fp = Fingerprint(op, seq, ranks, shapes, dtype, site)
+        rec = CallRecord(fp, msg_bytes, algo, async_op, group, device, not async_op)
+        TRACKER.in_flight[id(rec)] = rec
+        TRACKER.last = rec
+    try:
+        for hook in TRACKER.on_begin:
+            hook(rec)
+    except BaseException as exc:
+        failed(rec, exc)
+        raise
+    return rec
+
+
+def end(rec: CallRecord) -> None:
+    """Register the completion of a collective."""
+    rec.end = time.perf_counter()
+    with TRACKER.lock:
+        TRACKER.in_flight.pop(id(rec), None)
+    for hook in TRACKER.on_end:
+        hook(rec)
+
+
+def failed(rec: CallRecord, exc: BaseException) -> None:
+    """A call raised: forget it as in flight and let the error hooks translate the exception.
+
+    Returns normally when no hook replaced the error; the caller then re-raises the original.
+    The hooks run while the call still counts as in flight: a timeout hook that waits for the
+    hang diagnosis needs this rank reported as inside the call, not as idle.
+    """
+    try:
+        for hook in TRACKER.on_error:
+            hook(rec, exc)
+    finally:
+        with TRACKER.lock:
+            TRACKER.in_flight.pop(id(rec), None)
+
+
+class TrackedWork:
+    """An async work handle whose ``wait()`` completes the call's record (timing, logging)."""
+
+    def __init__(
+        self, work: Any, rec: CallRecord, finish: Callable[[], None] | None = None
+    ) -> None:
+        self._work = work
+        self._rec = rec
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._done:
+            return True
+        self._rec.blocking = True
+        try:
+            if self._work is not None:
+                self._work.wait() if timeout is None else self._work.wait(timeout)
+            if self._finish is not None:
+                self._finish()
+        except BaseException as exc:
+            failed(self._rec, exc)
+            raise
+        self._done = True
+        end(self._rec)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or (self._work is None or self._work.is_completed())
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._work.result() if self._work is not None else None
+
+
+def tracked(
+    op: str,
+    group: Any | None,
+    tensors: Sequence[torch.Tensor],
+    *,
+    msg_bytes: int,
+    algo: str,
+    async_op: bool,
+    run: Callable[[], Any],
+    finish: Callable[[], None] | None = None,
+) -> TrackedWork | None:
+    """Run ``run()`` (which issues the torch op and returns its work handle or None) as a tracked call.
+
+    ``finish`` runs after the op completes (e.g. copying a fallback's result into the caller's
+    output). With ``async_op`` the caller gets a :class:`TrackedWork`; otherwise this waits.
+    """
+    rec = begin(op, group, tensors, msg_bytes=msg_bytes, algo=algo, async_op=async_op)
+    try:
+        work = run()
+    except BaseException as exc:
+        failed(rec, exc)
+        raise
+    handle = TrackedWork(work, rec, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None

@@ -1,0 +1,7 @@
+"""Mixture of experts layers, gating and expert parallelism."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,7 @@
+"""Optimizers, LR schedules, loss scaling and gradient clipping."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]
