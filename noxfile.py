@@ -36,7 +36,12 @@ nox.options.sessions = ["lint", *(f"test-{name}" for name in DISTRIBUTIONS), "in
 def _sync(session: nox.Session, *args: str) -> None:
     """``uv sync`` from the lock file into this session's venv."""
     session.run_install(
-        "uv", "sync", "--locked", "--no-dev", "--no-editable", *args,
+        "uv",
+        "sync",
+        "--locked",
+        "--no-dev",
+        "--no-editable",
+        *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )
@@ -51,10 +56,9 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check + format check on the whole tree, and the import layering contracts."""
-    session.install("ruff>=0.6", "import-linter>=2.1")
+    _sync(session, "--all-packages", "--group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    _sync(session, "--all-packages", "--inexact")
     session.run("lint-imports")
 
 

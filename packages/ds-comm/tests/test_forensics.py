@@ -47,9 +47,14 @@ def test_sentence_with_three_states_and_one_state() -> None:
 
 
 def _diverge_body(
-    rank: int, world_size: int, *, odd_rank: int, odd: str, group_timeout_s: float,
+    rank: int,
+    world_size: int,
+    *,
+    odd_rank: int,
+    odd: str,
+    group_timeout_s: float,
     forensics_timeout_s: float | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """All ranks do two all_reduces; then ``odd_rank`` does ``odd`` while the rest all_reduce."""
     group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=group_timeout_s))
     _forensics.arm(forensics_timeout_s, poll_s=0.2, grace_s=2.0)
@@ -74,8 +79,11 @@ def _diverge_body(
             else:  # "sleep": not in any collective while the others wait
                 time.sleep(group_timeout_s + 3.0)
                 incident = _forensics.last_incident()
-                return {"error": None, "seq": expected_seq,
-                        "own_state": incident and incident.states[rank]["phrase"]}  # fmt: skip
+                return {
+                    "error": None,
+                    "seq": expected_seq,
+                    "own_state": incident and incident.states[rank]["phrase"],
+                }
         except CollectiveTimeoutError as exc:
             assert _forensics.last_incident() is not None
             return {"error": str(exc), "elapsed": time.monotonic() - start, "seq": expected_seq}
@@ -92,9 +100,14 @@ def _seqs(pattern: str, message: str) -> list[int]:
 
 def test_two_ranks_in_different_collectives_both_raise_naming_both() -> None:
     results = run_on_ranks(
-        _diverge_body, 2, odd_rank=1, odd="all_gather_into_tensor", group_timeout_s=4.0,
-        fresh=True, timeout=60,
-    )  # fmt: skip
+        _diverge_body,
+        2,
+        odd_rank=1,
+        odd="all_gather_into_tensor",
+        group_timeout_s=4.0,
+        fresh=True,
+        timeout=60,
+    )
     for result in results:
         message = result["error"]
         assert message is not None and result["elapsed"] < 20, result
@@ -110,9 +123,15 @@ def test_two_ranks_in_different_collectives_both_raise_naming_both() -> None:
 def test_rank_outside_any_collective_is_named_with_its_last_op() -> None:
     # DS_COMM_TIMEOUT below the group timeout: diagnosed at 2 s, the call still fails at 5 s.
     results = run_on_ranks(
-        _diverge_body, 2, odd_rank=1, odd="sleep", group_timeout_s=5.0,
-        env={"DS_COMM_TIMEOUT": "2"}, fresh=True, timeout=60,
-    )  # fmt: skip
+        _diverge_body,
+        2,
+        odd_rank=1,
+        odd="sleep",
+        group_timeout_s=5.0,
+        env={"DS_COMM_TIMEOUT": "2"},
+        fresh=True,
+        timeout=60,
+    )
     waiting, sleeping = results
     seq = waiting["seq"]
     assert waiting["error"] is not None and waiting["elapsed"] < 20, waiting
@@ -128,9 +147,15 @@ def test_rank_outside_any_collective_is_named_with_its_last_op() -> None:
 def test_four_ranks_group_the_agreeing_ranks_when_the_backend_times_out_first() -> None:
     # A forensics timeout above the group timeout: the gloo timeout error starts the diagnosis.
     results = run_on_ranks(
-        _diverge_body, 4, odd_rank=3, odd="barrier", group_timeout_s=4.0,
-        forensics_timeout_s=60.0, fresh=True, timeout=90,
-    )  # fmt: skip
+        _diverge_body,
+        4,
+        odd_rank=3,
+        odd="barrier",
+        group_timeout_s=4.0,
+        forensics_timeout_s=60.0,
+        fresh=True,
+        timeout=90,
+    )
     for result in results:
         message, seq = result["error"], result["seq"]
         assert message is not None and result["elapsed"] < 20, result
@@ -170,9 +195,12 @@ def test_call_still_blocked_after_its_group_timeout_ends_the_process(tmp_path) -
     script.write_text(_NEVER_RETURNS)
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert proc.returncode == _forensics.HANG_EXIT_CODE, proc.stderr
     assert "returned" not in proc.stdout
     assert "hang diagnosis: rank 0 is in all_reduce #1 (never_returns.py:" in proc.stderr
@@ -209,10 +237,12 @@ def _debug_body(rank: int, world_size: int, *, kind: str) -> dict:
                 ds_comm.all_reduce(torch.ones(4 if rank == 0 else 8), group=group)
         except CollectiveMismatchError as exc:
             return {
-                "error": str(exc), "elapsed": time.monotonic() - start,
-                "in_flight": len(TRACKER.in_flight), "x": x.tolist(),
+                "error": str(exc),
+                "elapsed": time.monotonic() - start,
+                "in_flight": len(TRACKER.in_flight),
+                "x": x.tolist(),
                 "seq": TRACKER.seq[group_ranks(group)],
-            }  # fmt: skip
+            }
         return {"error": None}
     finally:
         ds_comm.configure(previous)

@@ -40,8 +40,9 @@ def test_configure_merges_section_and_keywords_and_installs_hooks_only_when_enab
     logger = _logger.get_comms_logger()
     before = logger.config
     try:
-        returned = ds_comm.configure({"comms_logger": {"enabled": True, "prof_all": False}},
-                                     prof_ops=["all_reduce"])  # fmt: skip
+        returned = ds_comm.configure(
+            {"comms_logger": {"enabled": True, "prof_all": False}}, prof_ops=["all_reduce"]
+        )
         assert returned == before  # the previous config, to restore later
         expected = CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=("all_reduce",))
         assert logger.config == expected
@@ -120,9 +121,13 @@ def test_records_sizes_bandwidths_and_wire_bytes(world_size: int) -> None:
 def _filter_and_verbose_body(rank: int, world_size: int) -> dict:
     logger = ds_comm.get_comms_logger()
     previous = ds_comm.configure(
-        {"enabled": True, "prof_all": False, "prof_ops": ["all_gather_into_tensor"],
-         "verbose": True}
-    )  # fmt: skip
+        {
+            "enabled": True,
+            "prof_all": False,
+            "prof_ops": ["all_gather_into_tensor"],
+            "verbose": True,
+        }
+    )
     logger.reset()
     try:
         x = torch.ones(8)

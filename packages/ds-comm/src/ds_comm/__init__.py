@@ -26,6 +26,7 @@ from ds_comm._collectives import (
     send,
 )
 from ds_comm._compressed import CompressedAllReduce, compressed_all_reduce
+from ds_comm._env import LaunchEnv
 from ds_comm._init import (
     destroy_process_group,
     get_local_rank,
@@ -37,7 +38,6 @@ from ds_comm._init import (
 )
 from ds_comm._instrument import annotate
 from ds_comm._logger import configure, get_comms_logger, log_summary
-from ds_comm._env import LaunchEnv
 from ds_comm._topology import (
     Mpu,
     MpuProtocol,

@@ -7,13 +7,16 @@ convention, which the comms logger turns into algbw/busbw) and the name of the a
 [Note: choosing an algorithm]
 Per call, in order:
 
-1. ``force_algorithm(op=algo)`` (a context manager) or ``DS_COMM_FORCE_ALGO="op=algo,..."``: tests
-   and benchmarks pin an algorithm, including the fallbacks that the running torch never needs.
+1. ``force_algorithm(op=algo)`` (a context manager) or ``DS_COMM_FORCE_ALGO="op=algo,..."`` (read
+   at the first call): tests and benchmarks pin an algorithm, including the fallbacks that the
+   running torch never needs.
 2. A fallback, if the backend was found unable to run this op natively for this dtype and reduce
    op. Nothing is assumed up front: the first call tries the native op, and if the backend
-   refuses it while issuing it ("Invalid scalar type", "does not support ...") the verdict is
-   cached per (backend, op, dtype, reduce op) and the call runs again with the fallback as a new
-   tracked call (so every rank, meeting the same refusal, advances its sequence number alike).
+   refuses it ("Invalid scalar type", "does not support ..."), the verdict is cached per
+   (backend, op, dtype, reduce op) and the call runs again with the fallback as a new tracked
+   call (every rank meets the same refusal, so all advance their sequence numbers alike). Gloo
+   reports some refusals only through the work (on a one-rank group), so that first native call
+   is waited before returning, even when async; a refusal always comes before any transfer.
    Fallbacks keep the bandwidth order of the op they replace (never gather-to-rank-0): all-reduce
    and reduce in a wider dtype (bf16/fp16 in fp32, int16 in int32); broadcast as bytes; all-gather,
    reduce-scatter and all-to-all as direct p2p transfers of bytes with local reduction.
@@ -32,14 +35,15 @@ import contextvars
 import functools
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ds_comm import _algorithms as alg
-from ds_comm._instrument import TrackedWork, group_ranks, tracked
+from ds_comm._instrument import TrackedWork, tracked
 from ds_comm.api import ConfigError, ReduceOp
 
 __all__ = [
@@ -63,25 +67,38 @@ __all__ = [
     "send",
 ]
 
-# The algorithms each op can run; the second entry is the op's fallback.
+# The algorithms each op can run (any can be forced). Those in _FALLBACKS are also tried, in
+# order, when the backend refuses the ones before them; the rest are for tests and benchmarks.
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("native", "upcast"),
     "reduce": ("native", "upcast"),
     "broadcast": ("native", "bytes"),
-    "all_gather": ("native", "direct", "ring"),
-    "all_gather_into_tensor": ("native", "direct", "ring"),
-    "reduce_scatter": ("native", "direct", "ring", "allreduce-slice"),
-    "reduce_scatter_tensor": ("native", "direct", "ring", "allreduce-slice"),
+    "all_gather": ("native", "alltoall", "direct", "ring"),
+    "all_gather_into_tensor": ("native", "alltoall", "direct", "ring"),
+    "reduce_scatter": ("native", "alltoall", "direct", "ring", "allreduce-slice"),
+    "reduce_scatter_tensor": ("native", "alltoall", "direct", "ring", "allreduce-slice"),
+    "all_to_all_single": ("native", "direct"),
+}
+_FALLBACKS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("native", "upcast"),
+    "reduce": ("native", "upcast"),
+    "broadcast": ("native", "bytes"),
+    "all_gather": ("native", "alltoall", "direct"),
+    "all_gather_into_tensor": ("native", "alltoall", "direct"),
+    "reduce_scatter": ("native", "alltoall", "direct"),
+    "reduce_scatter_tensor": ("native", "alltoall", "direct"),
     "all_to_all_single": ("native", "direct"),
 }
 FORCE_ENV = "DS_COMM_FORCE_ALGO"
 
-_DIRECT_MAX_RANKS = 8
+# Largest group for which gloo's all-gather / reduce-scatter go over all-to-all (one host).
+_ALLTOALL_MAX_RANKS = 8
 _FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "ds_comm_forced_algorithms", default=None
 )
-# (backend, op, dtype, reduce op) combinations the backend refused to run natively.
-_UNSUPPORTED: set[tuple[str, str, str, str]] = set()
+# ((backend, op, dtype, reduce op), algorithm) pairs the backend refused / ran.
+_UNSUPPORTED: set[tuple[tuple[Any, ...], str]] = set()
+_SUPPORTED: set[tuple[tuple[Any, ...], str]] = set()
 # Refusals, as worded by gloo ("Invalid scalar type"), NCCL and c10d ("... does not support ...").
 _CAPABILITY_ERROR = re.compile(
     r"invalid scalar type|not supported|unsupported|does not support|not implemented"
@@ -89,6 +106,11 @@ _CAPABILITY_ERROR = re.compile(
     re.IGNORECASE,
 )
 _RING_CALLS: dict[tuple[int, ...], int] = {}
+# Per process group (weakly held: a destroyed group's entry goes with it).
+_GROUPS: weakref.WeakKeyDictionary[Any, _Member] = weakref.WeakKeyDictionary()
+
+
+_RED_OP_TYPE = type(ReduceOp.SUM)  # hashable enum; other ReduceOp forms are keyed by their str
 
 
 class _Unsupported(Exception):
@@ -136,23 +158,51 @@ def force_algorithm(**algos: str) -> Iterator[None]:
         _FORCED.reset(token)
 
 
+@functools.cache
+def _env_forced() -> dict[str, str]:
+    # Read once per process: a cold environment lookup costs microseconds on every call.
+    raw = os.environ.get(FORCE_ENV, "")
+    return _parse_env(raw) if raw else {}
+
+
 def _forced(op: str) -> str | None:
     forced = _FORCED.get()
     algo = forced.get(op) if forced else None
-    if algo is None and (raw := os.environ.get(FORCE_ENV)):
-        algo = _parse_env(raw).get(op)
-    return algo
+    return algo if algo is not None else _env_forced().get(op)
 
 
-def _backend(group: Any, tensor: torch.Tensor) -> str:
-    name = str(dist.get_backend(group))
-    if ":" in name:  # e.g. "cpu:gloo,cuda:nccl": the tensor's device picks the backend
-        return dict(part.split(":", 1) for part in name.split(",")).get(tensor.device.type, name)
-    return name
+class _Member(NamedTuple):
+    """A call's view of its group."""
+
+    ranks: tuple[int, ...]  # global ranks, in group order
+    me: int  # this rank's index in ``ranks``
+    backend: str  # e.g. "gloo", for the call's device
 
 
-def _prefer_direct(backend: str, n: int) -> str:
-    return "direct" if backend == "gloo" and 2 <= n <= _DIRECT_MAX_RANKS else "native"
+def _member(group: Any, tensor: torch.Tensor | None = None) -> _Member | None:
+    """This rank's view of ``group`` (cached per group), or None when not a member (a no-op)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    pg = dist.group.WORLD if group is None else group
+    member = _GROUPS.get(pg)
+    if member is None:
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        me = dist.get_rank()
+        member = _Member(ranks, ranks.index(me) if me in ranks else -1, str(dist.get_backend(pg)))
+        _GROUPS[pg] = member
+    if member.me < 0:
+        return None
+    if ":" in member.backend:  # e.g. "cpu:gloo,cuda:nccl": the tensor's device picks
+        table = dict(part.split(":", 1) for part in member.backend.split(","))
+        device = tensor.device.type if tensor is not None else "cpu"
+        return member._replace(backend=table.get(device, member.backend))
+    return member
+
+
+def _prefer_fast(member: _Member) -> str:
+    """The algorithm for all-gather / reduce-scatter: see [Note: choosing an algorithm]."""
+    n = len(member.ranks)
+    return "alltoall" if member.backend == "gloo" and 2 <= n <= _ALLTOALL_MAX_RANKS else "native"
 
 
 def _ring_tag(ranks: tuple[int, ...]) -> int:
@@ -162,15 +212,6 @@ def _ring_tag(ranks: tuple[int, ...]) -> int:
     return alg.RING_TAG_BASE + count % (1 << 16)
 
 
-def _membership(group: Any) -> tuple[tuple[int, ...], int] | None:
-    """(global ranks of the group, this rank's index in it), or None when not a member (no-op)."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        return None
-    ranks = group_ranks(group)
-    me = dist.get_rank()
-    return (ranks, ranks.index(me)) if me in ranks else None
-
-
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -178,6 +219,7 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 def _run(
     op: str,
     group: Any,
+    backend: str,
     tensors: Sequence[torch.Tensor],
     *,
     msg_bytes: int,
@@ -188,43 +230,61 @@ def _run(
 ) -> TrackedWork | None:
     """Issue ``op`` as a tracked call with the algorithm chosen per [Note: choosing an algorithm]."""
     forced = _forced(op)
-    key = (_backend(group, tensors[0]), op, str(tensors[0].dtype), str(redop))
-    algo = forced or (ALGORITHMS[op][1] if key in _UNSUPPORTED else preferred)
-    if algo != "native" or forced is not None:
+    if forced is not None:
         return tracked(
             op,
             group,
             tensors,
             msg_bytes=msg_bytes,
-            algo=algo,
+            algo=forced,
             async_op=async_op,
-            run=lambda: issue(algo),
+            run=lambda: issue(forced),
         )
-
-    def native() -> Any:
+    key = _key(backend, op, tensors[0].dtype, redop)
+    chain = [preferred, *(a for a in _FALLBACKS[op] if a != preferred)]
+    candidates = [a for a in chain if (key, a) not in _UNSUPPORTED] or chain[-1:]
+    for algo in candidates[:-1]:
         try:
-            return issue("native")
-        except (RuntimeError, NotImplementedError) as exc:
-            if _CAPABILITY_ERROR.search(str(exc)):
-                raise _Unsupported(str(exc)) from exc
-            raise
-
-    try:
-        return tracked(
-            op, group, tensors, msg_bytes=msg_bytes, algo="native", async_op=async_op, run=native
-        )
-    except _Unsupported:
-        _UNSUPPORTED.add(key)
-    fallback = ALGORITHMS[op][1]
+            return tracked(
+                op,
+                group,
+                tensors,
+                msg_bytes=msg_bytes,
+                algo=algo,
+                async_op=async_op,
+                run=functools.partial(_probe, key, algo, issue),
+            )
+        except _Unsupported:
+            _UNSUPPORTED.add((key, algo))
+    last = candidates[-1]  # nothing left to fall back to: its errors are the caller's
     return tracked(
         op,
         group,
         tensors,
         msg_bytes=msg_bytes,
-        algo=fallback,
+        algo=last,
         async_op=async_op,
-        run=lambda: issue(fallback),
+        run=lambda: issue(last),
     )
+
+
+def _key(backend: str, op: str, dtype: torch.dtype, redop: Any) -> tuple[Any, ...]:
+    """What a backend's support verdict is cached under."""
+    return (backend, op, dtype, redop if type(redop) is _RED_OP_TYPE else str(redop))
+
+
+def _probe(key: tuple[Any, ...], algo: str, issue: Callable[[str], Any]) -> Any:
+    """Issue ``algo``; a backend refusal becomes :class:`_Unsupported` (so the caller falls back)."""
+    try:
+        work = issue(algo)
+        if (key, algo) not in _SUPPORTED:
+            work.wait()  # first use: gloo reports some refusals only through the work
+            _SUPPORTED.add((key, algo))
+        return work
+    except (RuntimeError, NotImplementedError) as exc:
+        if _CAPABILITY_ERROR.search(str(exc)):
+            raise _Unsupported(str(exc)) from exc
+        raise
 
 
 def _contiguous_outputs(
@@ -262,20 +322,20 @@ def all_reduce(
         >>> grad = torch.ones(4)
         >>> ds_comm.all_reduce(grad)  # grad == world_size everywhere
     """
-    if (member := _membership(group)) is None:
+    if (member := _member(group, tensor)) is None:
         return None
-    n = len(member[0])
 
     def issue(algo: str) -> Any:
         if algo == "native":
             return dist.all_reduce(tensor, op=op, group=group, async_op=True)
         return alg.all_reduce_upcast(
-            tensor, op, group, comm_dtype=alg.upcast_dtype(tensor.dtype), n=n
+            tensor, op, group, comm_dtype=alg.upcast_dtype(tensor.dtype), n=len(member.ranks)
         )
 
     return _run(
         "all_reduce",
         group,
+        member.backend,
         [tensor],
         msg_bytes=_nbytes([tensor]),
         async_op=async_op,
@@ -294,21 +354,26 @@ def reduce(
 ) -> TrackedWork | None:
     """Reduce ``tensor`` across the group into global rank ``dst`` (other ranks' data is untouched
     by the fallback and unspecified natively, as in torch)."""
-    if (member := _membership(group)) is None:
+    if (member := _member(group, tensor)) is None:
         return None
-    n = len(member[0])
-    is_dst = dist.get_rank() == dst
 
     def issue(algo: str) -> Any:
         if algo == "native":
             return dist.reduce(tensor, dst, op=op, group=group, async_op=True)
         return alg.reduce_upcast(
-            tensor, dst, op, group, comm_dtype=alg.upcast_dtype(tensor.dtype), n=n, is_dst=is_dst
+            tensor,
+            dst,
+            op,
+            group,
+            comm_dtype=alg.upcast_dtype(tensor.dtype),
+            n=len(member.ranks),
+            is_dst=member.ranks[member.me] == dst,
         )
 
     return _run(
         "reduce",
         group,
+        member.backend,
         [tensor],
         msg_bytes=_nbytes([tensor]),
         async_op=async_op,
@@ -322,7 +387,7 @@ def broadcast(
     tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
 ) -> TrackedWork | None:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
-    if _membership(group) is None:
+    if (member := _member(group, tensor)) is None:
         return None
 
     def issue(algo: str) -> Any:
@@ -333,6 +398,7 @@ def broadcast(
     return _run(
         "broadcast",
         group,
+        member.backend,
         [tensor],
         msg_bytes=_nbytes([tensor]),
         async_op=async_op,
@@ -349,11 +415,22 @@ def _gather_algorithm(
     outputs: Sequence[torch.Tensor],
     tensor: torch.Tensor,
     group: Any,
-    ranks: tuple[int, ...],
-    me: int,
+    member: _Member,
 ) -> alg.Pending:
-    staged, copy_back = _contiguous_outputs(outputs)
+    """Run a non-native all-gather into the list ``outputs`` (any strides, sizes per rank)."""
     source = tensor.contiguous()
+    ranks, me = member.ranks, member.me
+    if algo == "alltoall":  # lands in one flat buffer, then is copied out
+        sizes = [t.numel() for t in outputs]
+        flat = torch.empty(sum(sizes), dtype=tensor.dtype, device=tensor.device)
+        pending = alg.all_gather_alltoall(flat, source, group, ranks=ranks, me=me, sizes=sizes)
+
+        def scatter_out() -> None:
+            for t, part in zip(outputs, flat.split(sizes)):
+                t.copy_(part.view(t.shape))
+
+        return pending.then(scatter_out)
+    staged, copy_back = _contiguous_outputs(outputs)
     if algo == "ring":
         pending = alg.all_gather_ring(
             staged, source, group, ranks=ranks, me=me, tag=_ring_tag(ranks)
@@ -371,27 +448,27 @@ def all_gather(
     Entries may differ in size between ranks (``tensor_list[i]`` matches rank i's ``tensor``),
     also on gloo, whose native all_gather needs equal sizes.
     """
-    if (member := _membership(group)) is None:
+    if (member := _member(group, tensor)) is None:
         return None
-    ranks, me = member
-    if len(tensor_list) != len(ranks):
+    if len(tensor_list) != len(member.ranks):
         raise ValueError(
-            f"all_gather: tensor_list has {len(tensor_list)} entries, group has {len(ranks)} ranks"
+            f"all_gather: tensor_list has {len(tensor_list)} entries, "
+            f"group has {len(member.ranks)} ranks"
         )
-    backend = _backend(group, tensor)
-    preferred = _prefer_direct(backend, len(ranks))
+    preferred = _prefer_fast(member)
     uniform = all(t.shape == tensor.shape and t.is_contiguous() for t in tensor_list)
-    if backend == "gloo" and not uniform:
-        preferred = "direct"  # gloo's own cannot take uneven or strided outputs
+    if member.backend == "gloo" and not uniform:
+        preferred = "alltoall"  # gloo's own cannot take uneven or strided outputs
 
     def issue(algo: str) -> Any:
         if algo == "native":
             return dist.all_gather(tensor_list, tensor, group=group, async_op=True)
-        return _gather_algorithm(algo, tensor_list, tensor, group, ranks, me)
+        return _gather_algorithm(algo, tensor_list, tensor, group, member)
 
     return _run(
         "all_gather",
         group,
+        member.backend,
         [tensor, *tensor_list],
         msg_bytes=_nbytes(tensor_list),
         async_op=async_op,
@@ -412,31 +489,35 @@ def all_gather_into_tensor(
         >>> full = torch.empty(world_size * shard.numel())
         >>> ds_comm.all_gather_into_tensor(full, shard)
     """
-    if (member := _membership(group)) is None:
+    if (member := _member(group, input_tensor)) is None:
         return None
-    ranks, me = member
-    n = len(ranks)
+    n = len(member.ranks)
 
     def issue(algo: str) -> Any:
         if algo == "native":
             return dist.all_gather_into_tensor(
                 output_tensor, input_tensor, group=group, async_op=True
             )
-        if output_tensor.numel() != n * input_tensor.numel() or not output_tensor.is_contiguous():
+        if output_tensor.numel() != n * input_tensor.numel():
             raise ValueError(
-                f"all_gather_into_tensor: output must be contiguous with {n} x {input_tensor.numel()}"
-                f" elements, got {tuple(output_tensor.shape)}"
+                f"all_gather_into_tensor: output must have {n} x {input_tensor.numel()} elements,"
+                f" got {tuple(output_tensor.shape)}"
+            )
+        if algo == "alltoall":  # straight into the caller's buffer
+            return alg.all_gather_alltoall(
+                output_tensor, input_tensor.contiguous(), group, ranks=member.ranks, me=member.me
             )
         chunks = list(output_tensor.view(-1).split(input_tensor.numel()))
-        return _gather_algorithm(algo, chunks, input_tensor.reshape(-1), group, ranks, me)
+        return _gather_algorithm(algo, chunks, input_tensor.reshape(-1), group, member)
 
     return _run(
         "all_gather_into_tensor",
         group,
+        member.backend,
         [output_tensor, input_tensor],
         msg_bytes=_nbytes([output_tensor]),
         async_op=async_op,
-        preferred=_prefer_direct(_backend(group, input_tensor), n),
+        preferred=_prefer_fast(member),
         issue=issue,
     )
 
@@ -450,19 +531,27 @@ def _scatter_algorithm(
     inputs: Sequence[torch.Tensor],
     op: Any,
     group: Any,
-    ranks: tuple[int, ...],
-    me: int,
+    member: _Member,
 ) -> alg.Pending:
+    """Run a non-native reduce-scatter of the blocks ``inputs`` (sizes per destination rank)."""
     staged, copy_back = _contiguous_outputs([output])
     target = staged[0]
+    ranks, me = member.ranks, member.me
+    if algo == "alltoall":  # sends one flat buffer
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        sizes = [t.numel() for t in inputs]
+        pending = alg.reduce_scatter_alltoall(
+            target, flat, op, group, ranks=ranks, me=me, sizes=sizes
+        )
+        return _then(pending, copy_back)
     inputs = [t.contiguous() for t in inputs]
     if algo == "ring":
         pending = alg.reduce_scatter_ring(
             target, inputs, op, group, ranks=ranks, me=me, tag=_ring_tag(ranks)
         )
     elif algo == "allreduce-slice":
-        key = (_backend(group, output), "all_reduce", str(output.dtype), str(op))
-        wide = alg.upcast_dtype(output.dtype) if key in _UNSUPPORTED else output.dtype
+        refused = (_key(member.backend, "all_reduce", output.dtype, op), "native") in _UNSUPPORTED
+        wide = alg.upcast_dtype(output.dtype) if refused else output.dtype
         pending = alg.reduce_scatter_allreduce(target, inputs, op, group, me=me, comm_dtype=wide)
     else:
         pending = alg.reduce_scatter_direct(target, inputs, op, group, ranks=ranks, me=me)
@@ -477,26 +566,26 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> TrackedWork | None:
     """Reduce ``input_list[i]`` across ranks into rank i's ``output`` (sizes may differ per rank)."""
-    if (member := _membership(group)) is None:
+    if (member := _member(group, output)) is None:
         return None
-    ranks, me = member
-    if len(input_list) != len(ranks):
+    if len(input_list) != len(member.ranks):
         raise ValueError(
-            f"reduce_scatter: input_list has {len(input_list)} entries, group has {len(ranks)} ranks"
+            f"reduce_scatter: input_list has {len(input_list)} entries, "
+            f"group has {len(member.ranks)} ranks"
         )
-    backend = _backend(group, output)
-    preferred = _prefer_direct(backend, len(ranks))
-    if backend == "gloo" and not all(t.shape == output.shape for t in input_list):
-        preferred = "direct"
+    preferred = _prefer_fast(member)
+    if member.backend == "gloo" and not all(t.shape == output.shape for t in input_list):
+        preferred = "alltoall"  # gloo's own cannot take uneven blocks
 
     def issue(algo: str) -> Any:
         if algo == "native":
             return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=True)
-        return _scatter_algorithm(algo, output, input_list, op, group, ranks, me)
+        return _scatter_algorithm(algo, output, input_list, op, group, member)
 
     return _run(
         "reduce_scatter",
         group,
+        member.backend,
         [output, *input_list],
         msg_bytes=_nbytes(input_list),
         async_op=async_op,
@@ -519,10 +608,9 @@ def reduce_scatter_tensor(
         >>> shard = torch.empty(grad.numel() // world_size)
         >>> ds_comm.reduce_scatter_tensor(shard, grad)
     """
-    if (member := _membership(group)) is None:
+    if (member := _member(group, input)) is None:
         return None
-    ranks, me = member
-    n = len(ranks)
+    n = len(member.ranks)
 
     def issue(algo: str) -> Any:
         if algo == "native":
@@ -532,16 +620,21 @@ def reduce_scatter_tensor(
                 f"reduce_scatter_tensor: input must have {n} x {output.numel()} elements, "
                 f"got {tuple(input.shape)}"
             )
+        if algo == "alltoall" and output.is_contiguous():  # straight from the caller's buffer
+            return alg.reduce_scatter_alltoall(
+                output, input.contiguous(), op, group, ranks=member.ranks, me=member.me
+            )
         blocks = list(input.contiguous().view(-1).split(output.numel()))
-        return _scatter_algorithm(algo, output, blocks, op, group, ranks, me)
+        return _scatter_algorithm(algo, output, blocks, op, group, member)
 
     return _run(
         "reduce_scatter_tensor",
         group,
+        member.backend,
         [output, input],
         msg_bytes=_nbytes([input]),
         async_op=async_op,
-        preferred=_prefer_direct(_backend(group, input), n),
+        preferred=_prefer_fast(member),
         redop=op,
         issue=issue,
     )
@@ -576,9 +669,9 @@ def all_to_all_single(
 
     Split sizes count rows of dim 0 and may be uneven; ``None`` means equal blocks.
     """
-    if (member := _membership(group)) is None:
+    if (member := _member(group, input)) is None:
         return None
-    ranks, me = member
+    ranks, me = member.ranks, member.me
     n = len(ranks)
 
     def issue(algo: str) -> Any:
@@ -595,6 +688,7 @@ def all_to_all_single(
     return _run(
         "all_to_all_single",
         group,
+        member.backend,
         [output, input],
         msg_bytes=_nbytes([input]),
         async_op=async_op,
@@ -605,7 +699,7 @@ def all_to_all_single(
 
 def barrier(group: Any = None, async_op: bool = False) -> TrackedWork | None:
     """Block until every rank of the group has entered the barrier."""
-    if _membership(group) is None:
+    if _member(group) is None:
         return None
     return tracked(
         "barrier",
@@ -727,12 +821,12 @@ class P2POp:
 class _BatchMember:
     """One handle of a :func:`batch_isend_irecv` result; the last one waited completes the record."""
 
-    def __init__(self, work: Any, batch: TrackedWork) -> None:
+    def __init__(self, work: alg.WaitOnce, batch: TrackedWork) -> None:
         self._work = work
         self._batch = batch
 
     def wait(self, timeout: Any = None) -> bool:
-        self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._work.wait(timeout)
         if self._batch.is_completed():
             self._batch.wait()  # every transfer is done: this only closes the call's record
         return True
@@ -754,10 +848,10 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[_BatchMember]:
         )
         for p in p2p_op_list
     ]
-    works: list[Any] = []
+    works: list[alg.WaitOnce] = []
 
     def run() -> alg.Pending:
-        works.extend(dist.batch_isend_irecv(torch_ops))
+        works.extend(alg.WaitOnce(work) for work in dist.batch_isend_irecv(torch_ops))
         return alg.Pending(works)
 
     tensors = [p.tensor for p in p2p_op_list]

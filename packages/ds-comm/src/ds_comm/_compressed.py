@@ -122,7 +122,7 @@ class CompressedAllReduce:
             scale = self._scales(server.view(1, -1), length).view(())
             mine = self._encode(server.view(1, -1), scale).view(-1)
             self.server_error.copy_(server.sub_(torch.where(server >= 0, scale, -scale)))
-            self.server_error.zero_()
+            self._zero_padding(self.server_error)
 
             gathered = torch.empty(
                 self.world_size * (sign_bytes + _SCALE_BYTES),

@@ -192,9 +192,16 @@ class _Watchdog:
     """The per-process daemon thread described in [Note: hang forensics]."""
 
     def __init__(
-        self, store: Any, rank: int, world_size: int, timeout_s: float | None, *,
-        poll_s: float, grace_s: float, exit_grace_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout_s: float | None,
+        *,
+        poll_s: float,
+        grace_s: float,
+        exit_grace_s: float,
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -239,8 +246,9 @@ class _Watchdog:
             except Exception as exc:  # the store went away (group destroyed without disarm)
                 print(
                     f"[ds_comm rank {self.rank}] hang forensics disabled: {exc!r}",
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
 
     def _tick(self) -> None:
@@ -268,8 +276,9 @@ class _Watchdog:
         print(
             f"[ds_comm rank {self.rank}] hang diagnosis: this rank is {state['phrase']}; "
             f"stacks of all threads:\n{_format_stacks()}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+            file=sys.stderr,
+            flush=True,
+        )
         with TRACKER.lock:
             flying = [rec for rec in TRACKER.in_flight.values() if rec.blocking]
         for rec in flying:
@@ -302,8 +311,9 @@ class _Watchdog:
                     f"[ds_comm rank {self.rank}] {rec.fingerprint.describe()} is still blocked "
                     f"{now - rec.start:.0f} s after it started, past its process-group timeout; "
                     f"exiting with code {HANG_EXIT_CODE}. Diagnosis: {sentence}",
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
+                    file=sys.stderr,
+                    flush=True,
+                )
                 sys.stdout.flush()
                 os._exit(HANG_EXIT_CODE)
 
@@ -393,9 +403,14 @@ def arm(
     base = store if store is not None else dist.distributed_c10d._get_default_store()
     prefixed = dist.PrefixStore("ds_comm/forensics", base)
     _WATCHDOG = _Watchdog(
-        prefixed, dist.get_rank(), dist.get_world_size(), timeout_s,
-        poll_s=poll_s, grace_s=grace_s, exit_grace_s=exit_grace_s,
-    )  # fmt: skip
+        prefixed,
+        dist.get_rank(),
+        dist.get_world_size(),
+        timeout_s,
+        poll_s=poll_s,
+        grace_s=grace_s,
+        exit_grace_s=exit_grace_s,
+    )
     if _translate_timeout not in TRACKER.on_error:
         TRACKER.on_error.append(_translate_timeout)
 
@@ -440,13 +455,15 @@ def _check_fingerprints(rec: CallRecord) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor([_signature_hash(fp)], dtype=torch.int64, device=device)
     everyone = torch.empty(len(fp.group), dtype=torch.int64, device=device)
+    rec.blocking = True  # even for an async op, this thread now waits in the check
     dist.all_gather_into_tensor(everyone, mine, group=group)
+    rec.blocking = not rec.async_op
     if bool((everyone == mine).all()):
         rec.start = time.perf_counter()  # bill the check to debug mode, not to the op's latency
         return
     fingerprints: list[Any] = [None] * len(fp.group)
     dist.all_gather_object(fingerprints, fp, group=group)
-    phrases = {f.group[i]: _detailed(f) for i, f in enumerate(fingerprints)}
+    phrases = {fp.group[i]: _detailed(f) for i, f in enumerate(fingerprints)}
     sentence = describe_ranks(phrases, fp.group)
     raise CollectiveMismatchError(f"{sentence} (debug check; the op was not issued)")
 

@@ -5,7 +5,8 @@ Bandwidths follow the nccl-tests conventions (``doc/PERFORMANCE.md`` there): ``a
 with the link speed: ``2(n-1)/n`` for all_reduce; ``(n-1)/n`` for all_gather, reduce_scatter and
 all_to_all; 1 for broadcast, reduce, point-to-point, barrier and unknown ops (n = group size).
 ``msg_bytes * factor`` is also the bytes each rank puts on the wire, which is what compressed
-communication is judged by (:meth:`CommsLogger.total_wire_bytes`).
+communication is judged by (:meth:`CommsLogger.total_wire_bytes`). Latency runs from issuing the
+op to its completion: for async ops that is the handle's ``wait()``, so overlapped compute counts.
 
 When logging is disabled no hook is installed, so a collective costs only the bookkeeping that
 ``_instrument.tracked`` always does. The debug fingerprint check is configured here too (it is
@@ -260,17 +261,32 @@ def get_comms_logger() -> CommsLogger:
 
 
 def _format_table(rows: list[SummaryRow], spread: Mapping[Any, tuple[float, float]] | None) -> str:
-    header = ["op", "msg size", "algo", "ranks", "count", "total (ms)", "avg (ms)",
-              "algbw (GB/s)", "busbw (GB/s)"]  # fmt: skip
+    header = [
+        "op",
+        "msg size",
+        "algo",
+        "ranks",
+        "count",
+        "total (ms)",
+        "avg (ms)",
+        "algbw (GB/s)",
+        "busbw (GB/s)",
+    ]
     if spread is not None:
         header += ["min avg (ms)", "max avg (ms)", "straggler (ms)"]
     lines = [header]
     for row in rows:
         line = [
-            row.op, _size(row.msg_bytes), row.algo, str(row.group_size), str(row.count),
-            f"{row.total_latency_s * 1e3:.3f}", f"{row.avg_latency_s * 1e3:.3f}",
-            f"{row.algbw / 1e9:.3f}", f"{row.busbw / 1e9:.3f}",
-        ]  # fmt: skip
+            row.op,
+            _size(row.msg_bytes),
+            row.algo,
+            str(row.group_size),
+            str(row.count),
+            f"{row.total_latency_s * 1e3:.3f}",
+            f"{row.avg_latency_s * 1e3:.3f}",
+            f"{row.algbw / 1e9:.3f}",
+            f"{row.busbw / 1e9:.3f}",
+        ]
         if spread is not None:
             lo, hi = spread[(row.op, row.msg_bytes, row.algo, row.group_size)]
             line += [f"{lo * 1e3:.3f}", f"{hi * 1e3:.3f}", f"{(hi - lo) * 1e3:.3f}"]

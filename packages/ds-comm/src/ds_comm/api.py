@@ -77,6 +77,8 @@ class CommsLoggerConfig:
                 import difflib
 
                 close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
+                hint = (
+                    f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
+                )
                 raise ConfigError(f"comms_logger.{key} is not a known key{hint}")
         return cls(**section)
