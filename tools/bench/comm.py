@@ -9,6 +9,12 @@ and two checks:
   should be within 5% of torch's from 1 MiB up;
 * speedup: on gloo, ds-comm's all-gather and reduce-scatter should be >= 1.5x torch's from 1 MiB.
 
+Each rank gets ``cores // world_size`` intra-op threads (oversubscription makes every local
+reduction erratic). Timing one call right after a barrier is the harsh case for per-call Python
+overhead: a rank that wakes from the barrier runs cold, and every microsecond before the transfer
+is issued delays the peer as well. The ``ds algo`` column is what ds-comm chose (see
+``force_algorithm`` / ``DS_COMM_FORCE_ALGO`` in ``ds_comm/_collectives.py`` to pin one).
+
 Sizes follow nccl-tests: the full buffer for all_reduce/broadcast, the output of all_gather, the
 input of reduce_scatter and all_to_all. Bus bandwidth = algbw x (2(n-1)/n for all_reduce, (n-1)/n
 for all_gather/reduce_scatter/all_to_all, 1 for broadcast).
@@ -17,7 +23,9 @@ Usage (from the workspace root)::
 
     uv run python tools/bench/comm.py                              # 2 ranks, gloo, 1 KiB..256 MiB
     uv run python tools/bench/comm.py --world-size 4 --ops all_gather_into_tensor --max-bytes 64M
-    DS_COMM_FORCE_ALGO=reduce_scatter_tensor=ring uv run python tools/bench/comm.py --ops reduce_scatter_tensor
+    uv run python tools/bench/comm.py --ops all_gather reduce_scatter   # the list forms
+    DS_COMM_FORCE_ALGO=reduce_scatter_tensor=ring uv run python tools/bench/comm.py \
+        --ops reduce_scatter_tensor
 """
 
 from __future__ import annotations
@@ -43,8 +51,10 @@ OPS = (
     "all_to_all_single",
     "broadcast",
 )
+# Not run by default: the list forms (one tensor per rank).
+EXTRA_OPS = ("all_gather", "reduce_scatter")
 # Ops ds-comm is meant to speed up on gloo (target >= 1.5x) vs ops it should only not slow down.
-SPEEDUP_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor")
+SPEEDUP_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", *EXTRA_OPS)
 MIB = 1 << 20
 
 
@@ -85,7 +95,7 @@ def bus_factor(op: str, n: int) -> float:
 
 def iterations(nbytes: int, iters: int) -> int:
     """Fewer iterations for big messages (keeps the default run to a few minutes)."""
-    return max(5, min(iters, iters * 4 * MIB // max(nbytes, 1)))
+    return max(8, min(iters, iters * 4 * MIB // max(nbytes, 1)))
 
 
 def _buffers(
@@ -99,6 +109,10 @@ def _buffers(
         return torch.empty(numel // n, dtype=dtype, device=device), full
     if op == "all_to_all_single":
         return torch.empty_like(full), full
+    if op == "all_gather":
+        return list(torch.empty_like(full).chunk(n)), full[: numel // n].clone()
+    if op == "reduce_scatter":
+        return torch.empty(numel // n, dtype=dtype, device=device), list(full.chunk(n))
     return full, None
 
 
@@ -122,7 +136,6 @@ def _measure(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
 
 
 def _bench_rank(rank: int, args: argparse.Namespace, init_file: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Ranks share the host's cores: oversubscribed intra-op threads make every reduction erratic.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     device = torch.device("cpu")
@@ -132,7 +145,6 @@ def _bench_rank(rank: int, args: argparse.Namespace, init_file: str) -> None:
     dist.init_process_group(
         args.backend, init_method=f"file://{init_file}", rank=rank, world_size=args.world_size
     )
-    import ds_comm
     from ds_comm import _instrument
 
     algos: dict[str, str] = {}
@@ -230,12 +242,15 @@ def print_checks(rows: list[Row], n: int, backend: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, metavar="OP")
+    parser.add_argument(
+        "--ops", nargs="+", default=list(OPS), choices=OPS + EXTRA_OPS, metavar="OP",
+        help=f"default: {' '.join(OPS)}; also: {' '.join(EXTRA_OPS)}",
+    )  # fmt: skip
     parser.add_argument("--min-bytes", type=parse_size, default=parse_size("1K"))
     parser.add_argument("--max-bytes", type=parse_size, default=parse_size("256M"))
     parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
     parser.add_argument(
-        "--iters", type=int, default=20, help="timed iterations at <= 4 MiB (fewer above)"
+        "--iters", type=int, default=100, help="timed iterations up to 4 MiB (fewer above)"
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))

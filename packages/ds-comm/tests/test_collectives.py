@@ -3,8 +3,8 @@
 Each body computes every rank's input in-rank (integer-valued data seeded by rank, so that every
 algorithm, dtype and summation order gives the exact same result) and compares with a
 single-process reference. Algorithms are pinned with ``force_algorithm``, so the fallbacks that
-torch 2.15's gloo never needs (upcast, bytes, ring, allreduce-slice) are checked against the same
-reference as the native ops.
+torch 2.15's gloo never needs (upcast, bytes, direct p2p, ring, allreduce-slice) are checked
+against the same reference as the native ops and ds-comm's faster all-to-all paths.
 """
 
 from __future__ import annotations
@@ -119,6 +119,13 @@ def _all_gather_body(rank: int, world_size: int) -> int:
             handle = ds_comm.all_gather_into_tensor(out, shards[rank], async_op=async_op)
             _finish(handle, async_op, what)
             _same(out, torch.cat(shards), f"all_gather_into_tensor {what}")
+            # in place: the input is this rank's slot of the output (FSDP's layout)
+            out = torch.full((7 * world_size,), 99, dtype=getattr(torch, dtype))
+            mine = out[7 * rank : 7 * rank + 7]
+            mine.copy_(shards[rank].view(-1))
+            handle = ds_comm.all_gather_into_tensor(out, mine, async_op=async_op)
+            _finish(handle, async_op, what)
+            _same(out, torch.cat(shards).view(-1), f"in-place all_gather_into_tensor {what}")
             # the list form
             outs = [torch.zeros(7, 1, dtype=out.dtype) for _ in range(world_size)]
             _finish(ds_comm.all_gather(outs, shards[rank], async_op=async_op), async_op, what)
@@ -171,6 +178,12 @@ def _reduce_scatter_body(rank: int, world_size: int) -> int:
                     _finish(handle, async_op, what)
                     _same(out, expected, f"reduce_scatter_tensor {what}")
                     _same(source, full[rank], f"reduce_scatter_tensor {what} changed its input")
+                    # in place: the output is this rank's block of the input
+                    source = full[rank].clone().view(-1)
+                    mine = source[5 * rank : 5 * rank + 5]
+                    handle = ds_comm.reduce_scatter_tensor(mine, source, op=op, async_op=async_op)
+                    _finish(handle, async_op, what)
+                    _same(mine, expected.view(-1), f"in-place reduce_scatter_tensor {what}")
                     if algo != "native":  # gloo's own refuses uneven blocks
                         out = torch.full((sizes[rank],), 99, dtype=getattr(torch, dtype))
                         handle = ds_comm.reduce_scatter(out, lists[rank], op=op, async_op=async_op)
@@ -336,9 +349,8 @@ def _subgroup_body(rank: int, world_size: int) -> int:
 
 def _detection_body(rank: int, world_size: int) -> list[str]:
     """gloo has no int16/uint16: the first native call is refused, the fallback takes over."""
-    from ds_comm import _collectives, _instrument
-
     import ds_comm
+    from ds_comm import _collectives, _instrument
 
     algos: list[str] = []
     hook = lambda rec: algos.append(f"{rec.fingerprint.op}:{rec.algo}")  # noqa: E731
@@ -446,12 +458,14 @@ def test_unsupported_dtype_detected_once(world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_records_carry_nccl_tests_sizes(world_size: int) -> None:
-    fast = "alltoall" if world_size > 1 else "native"
+    # gloo: all-gather over all-to-all on 2 ranks, reduce-scatter on 2-8 (1 rank: nothing to move)
+    gather = "alltoall" if world_size == 2 else "native"
+    scatter = "alltoall" if world_size > 1 else "native"
     full = 32 * world_size
     expected = [
         ("all_reduce", full, "native"),
-        ("all_gather_into_tensor", full, fast),  # output size
-        ("reduce_scatter_tensor", full, fast),  # input size
+        ("all_gather_into_tensor", full, gather),  # output size
+        ("reduce_scatter_tensor", full, scatter),  # input size
         ("all_to_all_single", full, "native"),  # input size
         ("broadcast", 32, "native"),
         ("barrier", 0, "native"),
@@ -465,12 +479,13 @@ def test_force_algorithm_rejects_unknown_names() -> None:
     from ds_comm._collectives import _parse_env, force_algorithm
     from ds_comm.api import ConfigError
 
-    with pytest.raises(ConfigError, match="choose from"):
-        with force_algorithm(all_reduce="ring"):
-            pass
-    with pytest.raises(ConfigError, match="not an op"):
-        with force_algorithm(all_reduce_scatter="native"):
-            pass
+    with pytest.raises(ConfigError, match="choose from"), force_algorithm(all_reduce="ring"):
+        pass
+    with (
+        pytest.raises(ConfigError, match="not an op"),
+        force_algorithm(all_reduce_scatter="native"),
+    ):
+        pass
     with pytest.raises(ConfigError, match="op=algo"):
         _parse_env("all_reduce")
     assert _parse_env("all_gather=ring, reduce_scatter_tensor=allreduce-slice") == {

@@ -272,3 +272,37 @@ def test_debug_check_catches_different_shapes_of_the_same_op() -> None:
     assert message == results[1]["error"]
     assert re.search(r"rank 0 is in all_reduce #\d+ \(.*\) on float32 \[4\]", message), message
     assert re.search(r"rank 1 is in all_reduce #\d+ \(.*\) on float32 \[8\]", message), message
+
+
+def _arm_body(rank: int, world_size: int) -> tuple[list[str], int]:
+    import threading
+
+    from ds_comm.api import ConfigError
+
+    def watchdogs() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name == "ds_comm-hang-watchdog"]
+
+    with pytest.raises(ConfigError, match="DS_COMM_TIMEOUT='soon'"):
+        os.environ["DS_COMM_TIMEOUT"] = "soon"
+        try:
+            _forensics.arm()
+        finally:
+            del os.environ["DS_COMM_TIMEOUT"]
+    with pytest.raises(ConfigError, match="poll_s"):
+        _forensics.arm(poll_s=0)
+    _forensics.arm(poll_s=0.05)
+    _forensics.arm(poll_s=0.05)  # re-arming replaces the watchdog rather than adding one
+    armed = watchdogs()
+    x = torch.ones(2)
+    ds_comm.all_reduce(x)  # an idle armed rank diagnoses nothing
+    time.sleep(0.2)
+    assert _forensics.last_incident() is None
+    generation = _forensics._WATCHDOG.gen  # store keys of this arm; must agree across ranks
+    _forensics.disarm()
+    return armed + watchdogs(), generation
+
+
+def test_arm_validates_and_disarm_stops_the_watchdog() -> None:
+    results = run_on_ranks(_arm_body, 2)
+    assert [threads for threads, _ in results] == [["ds_comm-hang-watchdog"]] * 2
+    assert results[0][1] == results[1][1]

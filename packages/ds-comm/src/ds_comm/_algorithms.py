@@ -1,16 +1,17 @@
 """Collective algorithms as pure functions over an explicit group: fallbacks and faster paths.
 
-Each function issues its communication at once and returns a :class:`Pending` whose ``wait()``
-finishes the call (waits the transfers, runs the local reductions and copies), so every algorithm
-serves both sync and ``async_op`` callers. Ranks (``ranks``: the group's global ranks in group
+Each function issues its communication at once (rings: on a helper thread, as each step needs the
+one before) and returns a :class:`Pending` whose ``wait()`` finishes the call (waits the
+transfers, runs the local reductions and copies), so every algorithm serves both sync and
+``async_op`` callers. Ranks (``ranks``: the group's global ranks in group
 order; ``me``: this rank's index in it) are passed in, never read from globals. ``_collectives``
 decides which algorithm a call uses; see [Note: choosing an algorithm] there.
 
-[Note: p2p moves bytes]
-Point-to-point transfers only move bytes, so every transfer here goes through :func:`wire`, a
-``uint8`` view of the tensor. This makes the p2p algorithms dtype-agnostic: gloo has no kernels
-for int16, uint16/32 or float8 (``RuntimeError: Invalid scalar type``), yet their bytes travel
-fine. Reductions then happen locally in :func:`accumulate_dtype`, a dtype torch can compute in.
+[Note: transfers move bytes]
+Point-to-point and all-to-all transfers only move bytes, so every transfer here goes through
+:func:`wire`, a ``uint8`` view of the tensor. This makes these algorithms dtype-agnostic: gloo has
+no type for int16, uint16/32 or float8 (``RuntimeError: Invalid scalar type``), yet their bytes
+travel fine. Reductions then happen locally in :func:`accumulate_dtype`, a dtype torch can compute in.
 
 [Note: algorithm tags]
 Gloo matches a receive to a send by (peer, tag) in posting order. Algorithm traffic uses its own
@@ -41,14 +42,17 @@ __all__ = [
     "accumulate_dtype",
     "all_gather_alltoall",
     "all_gather_direct",
+    "all_gather_pair",
     "all_gather_ring",
     "all_reduce_upcast",
     "all_to_all_direct",
     "broadcast_bytes",
     "local_reduce",
+    "overlaps",
     "reduce_scatter_allreduce",
     "reduce_scatter_alltoall",
     "reduce_scatter_direct",
+    "reduce_scatter_pair",
     "reduce_scatter_ring",
     "reduce_upcast",
     "upcast_dtype",
@@ -70,8 +74,6 @@ _UPCAST = {
 # Dtypes without CPU arithmetic kernels in torch ("add_stub not implemented for 'UInt16'").
 _NO_CPU_MATH = {torch.uint16: torch.int64, torch.uint32: torch.int64}
 
-_BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
-
 
 def upcast_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to communicate a reduction of ``dtype`` in when the backend cannot reduce it."""
@@ -88,10 +90,12 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of contiguous ``t`` for transfer; see [Note: p2p moves bytes]."""
-    if not t.is_contiguous():
-        raise ValueError(f"ds-comm transfers need contiguous tensors, got strides {t.stride()}")
-    return (t if t.dim() == 1 else t.reshape(-1)).view(torch.uint8)
+    """A flat ``uint8`` view of contiguous ``t`` for transfer; see [Note: transfers move bytes].
+
+    Raises (``view``'s RuntimeError) rather than copy when ``t`` is not contiguous: data received
+    into a copy would be lost.
+    """
+    return (t if t.dim() == 1 else t.view(-1)).view(torch.uint8)
 
 
 def local_reduce(acc: torch.Tensor, other: torch.Tensor, op: Any) -> None:
@@ -243,6 +247,32 @@ def _post(
     return recv_works, send_works
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous ``a`` and ``b`` share memory (e.g. an in-place reduce-scatter's output
+    is the caller's own block of the input)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+_ALLTOALL_OPTS = dist.AllToAllOptions()
+
+
+def _alltoall(
+    group: Any,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+) -> Any:
+    """Start ``all_to_all_single`` on ``group`` (flat tensors; splits count elements)."""
+    pg = dist.group.WORLD if group is None else group
+    if hasattr(pg, "alltoall_base"):
+        # What torch's all_to_all_single calls, minus its Python wrapper: ~25 us saved per
+        # call on a core that has just woken from a wait, which is 10% of a 1 MiB transfer.
+        return pg.alltoall_base(output, input, out_splits, in_splits, _ALLTOALL_OPTS)
+    return dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True)
+
+
 def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
     # In-place callers (FSDP-style) pass the input as a view of their own output slot.
     if dst.data_ptr() != src.data_ptr() or dst.dtype != src.dtype:
@@ -284,33 +314,43 @@ def all_gather_alltoall(
     isend/irecv driven from Python, whose per-transfer handshakes make it erratic on a busy
     machine. An all-gather is an all-to-all whose destinations all get the same block; a
     reduce-scatter is an all-to-all followed by a local reduction of the blocks received. With
-    two ranks both are zero-copy: the block for the peer goes straight from the input and arrives
-    straight in the output (split sizes of 0 for this rank itself). With more ranks the
-    all-gather sends its block repeated once per rank, and reduce-scatter receives n blocks into
-    scratch and reduces them in one pass. Bytes travel as ``uint8`` (see [Note: p2p moves
-    bytes]), so any dtype works. Python work is kept to a few tensor ops: each costs microseconds
-    when a rank wakes from waiting, which is the common case.
+    two ranks both are zero-copy (:func:`all_gather_pair`, :func:`reduce_scatter_pair`): the
+    block for the peer goes straight from the input and arrives straight in the output (split
+    sizes of 0 for this rank itself). With more ranks the all-gather sends its block repeated
+    once per rank, and reduce-scatter receives n blocks into scratch and reduces them in one
+    pass. Bytes travel as ``uint8`` (see [Note: transfers move bytes]), so any dtype works.
+    Python work is kept to a few tensor ops: each costs microseconds when a rank wakes from
+    waiting, which is the common case.
     """
     n = len(ranks)
     source = wire(input)
     target = wire(output)
     mine = source.numel()
-    blocks = [mine] * n if sizes is None else [s * output.element_size() for s in sizes]
     if n == 2:
-        peer = 1 - me
-        send, recv = [0, 0], [0, 0]
-        send[peer], recv[peer] = mine, blocks[peer]
-        start = 0 if peer == 0 else blocks[0]
-        work = dist.all_to_all_single(
-            target[start : start + blocks[peer]], source, recv, send, group=group, async_op=True
+        theirs = target.numel() - mine  # rank 0's block comes first
+        own = target.narrow(0, 0 if me == 0 else theirs, mine)
+        return all_gather_pair(
+            own, target[mine:] if me == 0 else target[:theirs], input, group, me=me
         )
-        own = target.narrow(0, blocks[0] if me else 0, mine)
-        if own.data_ptr() != source.data_ptr():  # in-place callers pass a view of their slot
-            own.copy_(source)
-        return Pending([work])
-    work = dist.all_to_all_single(
-        target, source.repeat(n), blocks, [mine] * n, group=group, async_op=True
-    )
+    blocks = [mine] * n if sizes is None else [s * output.element_size() for s in sizes]
+    return Pending([_alltoall(group, target, source.repeat(n), blocks, [mine] * n)])
+
+
+def all_gather_pair(
+    own: torch.Tensor, theirs: torch.Tensor, input: torch.Tensor, group: Any, *, me: int
+) -> Pending:
+    """Two-rank all-gather: ``input`` goes to the peer and to ``own``; the peer's to ``theirs``.
+
+    ``own`` and ``theirs`` are contiguous (any shapes, or byte views); ``own`` may be ``input``
+    itself (in place).
+    """
+    source, landing = wire(input), wire(theirs)
+    send, recv = [0, 0], [0, 0]
+    send[1 - me], recv[1 - me] = source.numel(), landing.numel()
+    work = _alltoall(group, landing, source, recv, send)
+    own = wire(own)
+    if own.data_ptr() != source.data_ptr():
+        own.copy_(source)
     return Pending([work])
 
 
@@ -392,29 +432,19 @@ def reduce_scatter_alltoall(
     """
     n = len(ranks)
     acc_dtype = accumulate_dtype(output.dtype)
-    target = wire(output)
-    source = wire(input)
+    if n == 2 and acc_dtype == output.dtype:
+        flat = input.view(-1)
+        mine = output.numel()
+        theirs = flat.numel() - mine  # rank 0's block comes first
+        own = flat.narrow(0, 0 if me == 0 else theirs, mine)
+        to_peer = flat[mine:] if me == 0 else flat[:theirs]
+        in_place = overlaps(output, input)
+        return reduce_scatter_pair(output, own, to_peer, op, group, me=me, in_place=in_place)
+    target, source = wire(output), wire(input)
     mine = target.numel()
     blocks = [mine] * n if sizes is None else [s * output.element_size() for s in sizes]
-    if n == 2 and acc_dtype == output.dtype and op != ReduceOp.AVG:
-        peer = 1 - me
-        send, recv = [0, 0], [0, 0]
-        send[peer], recv[peer] = blocks[peer], mine
-        start = 0 if peer == 0 else blocks[0]
-        work = dist.all_to_all_single(
-            target, source[start : start + blocks[peer]], recv, send, group=group, async_op=True
-        )
-        numel = output.numel()
-        own = input.view(-1).narrow(0, (numel if sizes is None else sizes[0]) * me, numel)
-
-        def add_own() -> None:
-            local_reduce(output.view(-1), own, op)
-
-        return Pending([work], add_own)
-    scratch = torch.empty((n, output.numel()), dtype=output.dtype)
-    work = dist.all_to_all_single(
-        wire(scratch), source, [mine] * n, blocks, group=group, async_op=True
-    )
+    scratch = output.new_empty((n, output.numel()))
+    work = _alltoall(group, wire(scratch), source, [mine] * n, blocks)
 
     def finish() -> None:
         received = scratch.to(acc_dtype)
@@ -429,6 +459,42 @@ def reduce_scatter_alltoall(
         output.view(-1).copy_(acc)
 
     return Pending([work], finish)
+
+
+def reduce_scatter_pair(
+    output: torch.Tensor,
+    own: torch.Tensor,
+    to_peer: torch.Tensor,
+    op: Any,
+    group: Any,
+    *,
+    me: int,
+    in_place: bool | None = None,
+) -> Pending:
+    """Two-rank reduce-scatter: send ``to_peer``, receive the peer's block for this rank, and
+    reduce ``own`` into it. All contiguous; ``output`` may be (part of) the input (in place).
+
+    ``output``'s dtype must have CPU kernels (see :func:`accumulate_dtype`). ``in_place``, when
+    the caller knows, says whether ``output`` overlaps ``own`` or ``to_peer``.
+    """
+    target = wire(output)
+    send, recv = [0, 0], [0, 0]
+    send[1 - me], recv[1 - me] = to_peer.numel() * to_peer.element_size(), target.numel()
+    # The peer's block lands in the output, unless that is (part of) the input: in place.
+    if in_place is None:
+        in_place = overlaps(output, own) or overlaps(output, to_peer)
+    landing = torch.empty_like(target) if in_place else target
+    work = _alltoall(group, landing, wire(to_peer), recv, send)
+
+    def add_own() -> None:
+        result = landing.view(output.dtype)
+        local_reduce(result, own.reshape(-1), op)
+        if op == ReduceOp.AVG:
+            _average(result, 2)
+        if in_place:
+            target.copy_(landing)
+
+    return Pending([work], add_own)
 
 
 def reduce_scatter_direct(
@@ -454,9 +520,14 @@ def reduce_scatter_direct(
     acc_dtype = accumulate_dtype(output.dtype)
     own = inputs[me].reshape(-1)
     flat_out = output.view(-1)
-    in_place = n == 2 and acc_dtype == output.dtype and op != ReduceOp.AVG
+    in_place = (
+        n == 2
+        and acc_dtype == output.dtype
+        and op != ReduceOp.AVG
+        and not any(overlaps(output, t) for t in inputs)
+    )
     peers = [(me - k) % n for k in range(1, n)]  # receive order; senders stagger the same way
-    scratch = None if in_place else torch.empty((n - 1, numel), dtype=output.dtype)
+    scratch = None if in_place else output.new_empty((n - 1, numel))
     starts = range(0, max(numel, 1), block)
     recvs = []
     for start in starts:
@@ -519,7 +590,7 @@ def reduce_scatter_ring(
         acc = inputs[(me - 1) % n].reshape(-1).to(acc_dtype, copy=True)
         for k in range(n - 1):
             j = (me - k - 2) % n
-            incoming = torch.empty(inputs[j].numel(), dtype=acc_dtype)
+            incoming = output.new_empty(inputs[j].numel(), dtype=acc_dtype)
             recv_works, send_works = _post([(acc, nxt)], [(incoming, prv)], group, tag)
             for work in recv_works + send_works:
                 work.wait()

@@ -5,27 +5,28 @@ convention, which the comms logger turns into algbw/busbw) and the name of the a
 ``src``/``dst``/``peer`` are global ranks, as in torch; ``group=None`` is the default group.
 
 [Note: choosing an algorithm]
-Per call, in order:
+Per call:
 
-1. ``force_algorithm(op=algo)`` (a context manager) or ``DS_COMM_FORCE_ALGO="op=algo,..."`` (read
-   at the first call): tests and benchmarks pin an algorithm, including the fallbacks that the
-   running torch never needs.
-2. A fallback, if the backend was found unable to run this op natively for this dtype and reduce
-   op. Nothing is assumed up front: the first call tries the native op, and if the backend
-   refuses it ("Invalid scalar type", "does not support ..."), the verdict is cached per
-   (backend, op, dtype, reduce op) and the call runs again with the fallback as a new tracked
-   call (every rank meets the same refusal, so all advance their sequence numbers alike). Gloo
-   reports some refusals only through the work (on a one-rank group), so that first native call
-   is waited before returning, even when async; a refusal always comes before any transfer.
-   Fallbacks keep the bandwidth order of the op they replace (never gather-to-rank-0): all-reduce
-   and reduce in a wider dtype (bf16/fp16 in fp32, int16 in int32); broadcast as bytes; all-gather,
-   reduce-scatter and all-to-all as direct p2p transfers of bytes with local reduction.
-3. The fastest algorithm measured for the backend (``tools/bench/comm.py``). On gloo, between 2
-   and 8 ranks, all-gather and reduce-scatter are ``direct`` (every rank sends each peer its block
-   at once; reduce-scatter reduces block by block as data arrives): gloo's own reach a third of
-   its all-reduce bus bandwidth on one host, direct is 2-4x faster from 64 KiB up. Beyond 8 ranks
-   the native ring (fewer, larger messages per link) is kept. NCCL's native ops are optimal, and
-   every other op uses the native one.
+1. A forced algorithm, used as is: ``force_algorithm(op=algo)`` (a context manager) or
+   ``DS_COMM_FORCE_ALGO="op=algo,..."`` (read at the first call). Tests and benchmarks pin
+   algorithms this way, including fallbacks that the running torch never needs.
+2. Otherwise the fastest algorithm measured for the backend (``tools/bench/comm.py``). On gloo,
+   reduce-scatter between 2 and 8 ranks and all-gather on 2 ranks go over one all-to-all (see
+   [Note: all-gather and reduce-scatter over all-to-all] in ``_algorithms.py``): 1.5-3.6x
+   torch's from 1 MiB up on 2 ranks. With more ranks an all-gather must copy its block once per
+   rank, and it measured no faster than gloo's own on 4 ranks, so it stays native; above 8 ranks
+   (several hosts) gloo's ring, with fewer and larger messages per link, is kept. Uneven or
+   strided all-gather/reduce-scatter lists always take the all-to-all on gloo, whose own refuse
+   them. NCCL's native ops are optimal, and every other op is native.
+3. A fallback when the backend refuses that algorithm for this dtype and reduce op ("Invalid
+   scalar type", "does not support ..."): the next one in ``_FALLBACKS``, which keep the
+   bandwidth order of the op they replace (never gather-to-rank-0): all-reduce and reduce in a
+   wider dtype (bf16/fp16 in fp32, int16 in int32); broadcast as bytes; all-gather and
+   reduce-scatter over all-to-all, then over p2p; all-to-all over p2p. Nothing is assumed up
+   front: the first use of an algorithm per (backend, op, dtype, reduce op) is waited before
+   returning, even when async, because gloo reports some refusals only through the work; the
+   verdict is cached, and a refused call runs again as a new tracked call (every rank meets the
+   same refusal, before any transfer, so all advance their sequence numbers alike).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ _FALLBACKS: dict[str, tuple[str, ...]] = {
 }
 FORCE_ENV = "DS_COMM_FORCE_ALGO"
 
-# Largest group for which gloo's all-gather / reduce-scatter go over all-to-all (one host).
+# Largest group whose gloo reduce-scatter goes over all-to-all (one host).
 _ALLTOALL_MAX_RANKS = 8
 _FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "ds_comm_forced_algorithms", default=None
@@ -110,11 +111,8 @@ _RING_CALLS: dict[tuple[int, ...], int] = {}
 _GROUPS: weakref.WeakKeyDictionary[Any, _Member] = weakref.WeakKeyDictionary()
 
 
-_RED_OP_TYPE = type(ReduceOp.SUM)  # hashable enum; other ReduceOp forms are keyed by their str
-
-
 class _Unsupported(Exception):
-    """The backend refused to issue an op natively (raised at issue time, before any transfer)."""
+    """The backend refused an algorithm for this op, dtype or reduce op (before any transfer)."""
 
 
 # --- algorithm choice ----------------------------------------------------------------------------
@@ -199,10 +197,11 @@ def _member(group: Any, tensor: torch.Tensor | None = None) -> _Member | None:
     return member
 
 
-def _prefer_fast(member: _Member) -> str:
+def _prefer_fast(member: _Member, gather: bool) -> str:
     """The algorithm for all-gather / reduce-scatter: see [Note: choosing an algorithm]."""
     n = len(member.ranks)
-    return "alltoall" if member.backend == "gloo" and 2 <= n <= _ALLTOALL_MAX_RANKS else "native"
+    most = 2 if gather else _ALLTOALL_MAX_RANKS
+    return "alltoall" if member.backend == "gloo" and 2 <= n <= most else "native"
 
 
 def _ring_tag(ranks: tuple[int, ...]) -> int:
@@ -213,59 +212,46 @@ def _ring_tag(ranks: tuple[int, ...]) -> int:
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes for t in tensors)
 
 
 def _run(
     op: str,
     group: Any,
-    backend: str,
+    member: _Member,
     tensors: Sequence[torch.Tensor],
-    *,
     msg_bytes: int,
     async_op: bool,
-    preferred: str,
-    redop: Any = None,
     issue: Callable[[str], Any],
+    *,
+    preferred: str = "native",
+    redop: Any = None,
 ) -> TrackedWork | None:
     """Issue ``op`` as a tracked call with the algorithm chosen per [Note: choosing an algorithm]."""
+
+    def call(algo: str, run: Callable[[], Any]) -> TrackedWork | None:
+        return tracked(
+            op, group, tensors, msg_bytes=msg_bytes, algo=algo, async_op=async_op, run=run
+        )
+
     forced = _forced(op)
     if forced is not None:
-        return tracked(
-            op,
-            group,
-            tensors,
-            msg_bytes=msg_bytes,
-            algo=forced,
-            async_op=async_op,
-            run=lambda: issue(forced),
-        )
-    key = _key(backend, op, tensors[0].dtype, redop)
+        return call(forced, lambda: issue(forced))
+    key = _key(member.backend, op, tensors[0].dtype, redop)
+    if (key, preferred) in _SUPPORTED:  # the common case, kept short: it ran here before
+        return call(preferred, lambda: issue(preferred))
     chain = [preferred, *(a for a in _FALLBACKS[op] if a != preferred)]
     candidates = [a for a in chain if (key, a) not in _UNSUPPORTED] or chain[-1:]
     for algo in candidates[:-1]:
         try:
-            return tracked(
-                op,
-                group,
-                tensors,
-                msg_bytes=msg_bytes,
-                algo=algo,
-                async_op=async_op,
-                run=functools.partial(_probe, key, algo, issue),
-            )
+            return call(algo, functools.partial(_probe, key, algo, issue))
         except _Unsupported:
             _UNSUPPORTED.add((key, algo))
     last = candidates[-1]  # nothing left to fall back to: its errors are the caller's
-    return tracked(
-        op,
-        group,
-        tensors,
-        msg_bytes=msg_bytes,
-        algo=last,
-        async_op=async_op,
-        run=lambda: issue(last),
-    )
+    return call(last, lambda: issue(last))
+
+
+_RED_OP_TYPE = type(ReduceOp.SUM)  # a hashable enum; other ReduceOp forms are keyed by str
 
 
 def _key(backend: str, op: str, dtype: torch.dtype, redop: Any) -> tuple[Any, ...]:
@@ -332,17 +318,7 @@ def all_reduce(
             tensor, op, group, comm_dtype=alg.upcast_dtype(tensor.dtype), n=len(member.ranks)
         )
 
-    return _run(
-        "all_reduce",
-        group,
-        member.backend,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        async_op=async_op,
-        preferred="native",
-        redop=op,
-        issue=issue,
-    )
+    return _run("all_reduce", group, member, [tensor], tensor.nbytes, async_op, issue, redop=op)
 
 
 def reduce(
@@ -370,17 +346,7 @@ def reduce(
             is_dst=member.ranks[member.me] == dst,
         )
 
-    return _run(
-        "reduce",
-        group,
-        member.backend,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        async_op=async_op,
-        preferred="native",
-        redop=op,
-        issue=issue,
-    )
+    return _run("reduce", group, member, [tensor], tensor.nbytes, async_op, issue, redop=op)
 
 
 def broadcast(
@@ -395,16 +361,7 @@ def broadcast(
             return dist.broadcast(tensor, src, group=group, async_op=True)
         return alg.broadcast_bytes(tensor, src, group)
 
-    return _run(
-        "broadcast",
-        group,
-        member.backend,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        async_op=async_op,
-        preferred="native",
-        issue=issue,
-    )
+    return _run("broadcast", group, member, [tensor], tensor.nbytes, async_op, issue)
 
 
 # --- all-gather ----------------------------------------------------------------------------------
@@ -420,6 +377,9 @@ def _gather_algorithm(
     """Run a non-native all-gather into the list ``outputs`` (any strides, sizes per rank)."""
     source = tensor.contiguous()
     ranks, me = member.ranks, member.me
+    pair = len(ranks) == 2 and all(t.is_contiguous() for t in outputs)
+    if algo == "alltoall" and pair:  # zero-copy: straight into the caller's tensors
+        return alg.all_gather_pair(outputs[me], outputs[1 - me], source, group, me=me)
     if algo == "alltoall":  # lands in one flat buffer, then is copied out
         sizes = [t.numel() for t in outputs]
         flat = torch.empty(sum(sizes), dtype=tensor.dtype, device=tensor.device)
@@ -455,7 +415,7 @@ def all_gather(
             f"all_gather: tensor_list has {len(tensor_list)} entries, "
             f"group has {len(member.ranks)} ranks"
         )
-    preferred = _prefer_fast(member)
+    preferred = _prefer_fast(member, gather=True)
     uniform = all(t.shape == tensor.shape and t.is_contiguous() for t in tensor_list)
     if member.backend == "gloo" and not uniform:
         preferred = "alltoall"  # gloo's own cannot take uneven or strided outputs
@@ -468,12 +428,12 @@ def all_gather(
     return _run(
         "all_gather",
         group,
-        member.backend,
+        member,
         [tensor, *tensor_list],
-        msg_bytes=_nbytes(tensor_list),
-        async_op=async_op,
+        _nbytes(tensor_list),
+        async_op,
+        issue,
         preferred=preferred,
-        issue=issue,
     )
 
 
@@ -513,12 +473,12 @@ def all_gather_into_tensor(
     return _run(
         "all_gather_into_tensor",
         group,
-        member.backend,
+        member,
         [output_tensor, input_tensor],
-        msg_bytes=_nbytes([output_tensor]),
-        async_op=async_op,
-        preferred=_prefer_fast(member),
-        issue=issue,
+        output_tensor.nbytes,
+        async_op,
+        issue,
+        preferred=_prefer_fast(member, gather=True),
     )
 
 
@@ -537,6 +497,10 @@ def _scatter_algorithm(
     staged, copy_back = _contiguous_outputs([output])
     target = staged[0]
     ranks, me = member.ranks, member.me
+    pair = len(ranks) == 2 and alg.accumulate_dtype(output.dtype) == output.dtype
+    if algo == "alltoall" and pair:  # zero-copy: straight from the caller's tensors
+        own, to_peer = inputs[me].contiguous(), inputs[1 - me].contiguous()
+        return _then(alg.reduce_scatter_pair(target, own, to_peer, op, group, me=me), copy_back)
     if algo == "alltoall":  # sends one flat buffer
         flat = torch.cat([t.reshape(-1) for t in inputs])
         sizes = [t.numel() for t in inputs]
@@ -573,7 +537,7 @@ def reduce_scatter(
             f"reduce_scatter: input_list has {len(input_list)} entries, "
             f"group has {len(member.ranks)} ranks"
         )
-    preferred = _prefer_fast(member)
+    preferred = _prefer_fast(member, gather=False)
     if member.backend == "gloo" and not all(t.shape == output.shape for t in input_list):
         preferred = "alltoall"  # gloo's own cannot take uneven blocks
 
@@ -585,13 +549,13 @@ def reduce_scatter(
     return _run(
         "reduce_scatter",
         group,
-        member.backend,
+        member,
         [output, *input_list],
-        msg_bytes=_nbytes(input_list),
-        async_op=async_op,
+        _nbytes(input_list),
+        async_op,
+        issue,
         preferred=preferred,
         redop=op,
-        issue=issue,
     )
 
 
@@ -630,13 +594,13 @@ def reduce_scatter_tensor(
     return _run(
         "reduce_scatter_tensor",
         group,
-        member.backend,
+        member,
         [output, input],
-        msg_bytes=_nbytes([input]),
-        async_op=async_op,
-        preferred=_prefer_fast(member),
+        input.nbytes,
+        async_op,
+        issue,
+        preferred=_prefer_fast(member, gather=False),
         redop=op,
-        issue=issue,
     )
 
 
@@ -685,16 +649,7 @@ def all_to_all_single(
         ins = source.split(_splits(input_split_sizes, input.size(0), n, "input"))
         return _then(alg.all_to_all_direct(outs, ins, group, ranks=ranks, me=me), copy_back)
 
-    return _run(
-        "all_to_all_single",
-        group,
-        member.backend,
-        [output, input],
-        msg_bytes=_nbytes([input]),
-        async_op=async_op,
-        preferred="native",
-        issue=issue,
-    )
+    return _run("all_to_all_single", group, member, [output, input], input.nbytes, async_op, issue)
 
 
 def barrier(group: Any = None, async_op: bool = False) -> TrackedWork | None:
@@ -713,20 +668,18 @@ def barrier(group: Any = None, async_op: bool = False) -> TrackedWork | None:
 
 
 # --- point to point ------------------------------------------------------------------------------
-# Transfers move the tensor's bytes: see [Note: p2p moves bytes] in _algorithms.py.
+# Transfers move the tensor's bytes: see [Note: transfers move bytes] in _algorithms.py.
+
+
+def _p2p(op: str, tensor: torch.Tensor, group: Any, async_op: bool, run: Callable[[], Any]) -> Any:
+    return tracked(
+        op, group, [tensor], msg_bytes=tensor.nbytes, algo="native", async_op=async_op, run=run
+    )
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send contiguous ``tensor`` to global rank ``dst`` (blocks until it is handed over)."""
-    tracked(
-        "send",
-        group,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        algo="native",
-        async_op=False,
-        run=lambda: dist.isend(alg.wire(tensor), dst, group=group, tag=tag),
-    )
+    _p2p("send", tensor, group, False, lambda: dist.isend(alg.wire(tensor), dst, group, tag))
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
@@ -736,52 +689,26 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: i
         The global rank the data came from.
     """
     sender: list[int] = []
-
-    def run() -> None:
-        sender.append(dist.recv(alg.wire(tensor), src, group=group, tag=tag))
-
-    tracked(
+    _p2p(
         "recv",
+        tensor,
         group,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        algo="native",
-        async_op=False,
-        run=run,
+        False,
+        lambda: sender.append(dist.recv(alg.wire(tensor), src, group, tag)),
     )
     return sender[0]
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> TrackedWork:
     """Start sending ``tensor`` to global rank ``dst``; ``wait()`` the handle before reusing it."""
-    work = tracked(
-        "isend",
-        group,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        algo="native",
-        async_op=True,
-        run=lambda: dist.isend(alg.wire(tensor), dst, group=group, tag=tag),
-    )
-    assert work is not None
-    return work
+    return _p2p("isend", tensor, group, True, lambda: dist.isend(alg.wire(tensor), dst, group, tag))
 
 
 def irecv(
     tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
 ) -> TrackedWork:
     """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` before reading it."""
-    work = tracked(
-        "irecv",
-        group,
-        [tensor],
-        msg_bytes=_nbytes([tensor]),
-        algo="native",
-        async_op=True,
-        run=lambda: dist.irecv(alg.wire(tensor), src, group=group, tag=tag),
-    )
-    assert work is not None
-    return work
+    return _p2p("irecv", tensor, group, True, lambda: dist.irecv(alg.wire(tensor), src, group, tag))
 
 
 class P2POp:
@@ -856,13 +783,8 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[_BatchMember]:
 
     tensors = [p.tensor for p in p2p_op_list]
     batch = tracked(
-        "batch_isend_irecv",
-        p2p_op_list[0].group,
-        tensors,
-        msg_bytes=_nbytes(tensors),
-        algo="native",
-        async_op=True,
-        run=run,
-    )
+        "batch_isend_irecv", p2p_op_list[0].group, tensors, msg_bytes=_nbytes(tensors),
+        algo="native", async_op=True, run=run,
+    )  # fmt: skip
     assert batch is not None
     return [_BatchMember(work, batch) for work in works]

@@ -24,17 +24,19 @@ one-sentence diagnosis, e.g. ``rank 3 is in all_gather #1042 (layers.7.mlp) whil
 in reduce_scatter #1042 (layers.7.attn)``. Ranks with the same state are merged into ranges, the
 smallest set (usually the odd one out) comes first, and ranks that never published are named as
 unresponsive (their watchdog could not run: process dead, or C code holding the GIL). The lowest
-reporting rank prints the sentence. ``gen`` (from an ``armed`` counter, one step per arm on every
-rank) keeps incidents of earlier arms on the same store apart; ``k`` counts incidents.
+reporting rank prints the sentence. ``gen`` (how many times this rank has armed on this store,
+the same on every rank) keeps incidents of earlier arms on the same store apart; ``k`` counts
+incidents.
 
 *Failing the call*: the watchdog cannot interrupt a blocked op, so the default forensics timeout
 is 90% of the call's process-group timeout: the diagnosis is ready when the backend gives up, and
 the ``on_error`` hook turns the backend's timeout error (gloo raises ``RuntimeError: Timed out
-waiting ...``) into :class:`CollectiveTimeoutError` carrying the sentence. If the backend times
-out first (a shorter explicit timeout is not required), the hook starts the incident itself and
-waits for it. If a diagnosed call is still blocked ``exit_grace_s`` (30 s) after its process-group
-timeout should have fired (NCCL without async error handling, a wedged transport), the watchdog
-prints why and ends the process with exit code 124 rather than hang forever.
+waiting ...``; or "Connection closed by peer" when the other side timed out first and closed
+the pair) into :class:`CollectiveTimeoutError` carrying the sentence. If the backend times out
+before the forensics timeout, the hook starts the incident itself and waits for it. If a
+diagnosed call is still blocked ``exit_grace_s`` (30 s) after its process-group timeout should
+have fired (NCCL without async error handling, a wedged transport), the watchdog prints why and
+ends the process with exit code 124 rather than hang forever.
 
 Timeout precedence: ``arm(timeout_s=...)``, then the ``DS_COMM_TIMEOUT`` environment variable
 (seconds), then 0.9 x the group's timeout (``init_process_group``/``new_group(timeout=...)``). A
@@ -209,10 +211,12 @@ class _Watchdog:
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.exit_grace_s = exit_grace_s
-        self.gen = (store.add("armed", 1) - 1) // world_size
+        # The n-th arm of every rank is generation n, however the ranks' arms interleave.
+        self.gen = store.add(f"armed/{rank}", 1)
         self.incidents: list[Incident] = []
         self.cond = threading.Condition()
-        self.force = False
+        # Set by a failing call (to its start time) to ask for a diagnosis if none covers it yet.
+        self.force: float | None = None
         self.wake = threading.Event()
         self.stopped = threading.Event()
         # id(rec) -> (rec, exit deadline) for blocking calls already covered by an incident.
@@ -260,7 +264,8 @@ class _Watchdog:
             id(rec) not in self.covered and now - rec.start > self._timeout(rec) for rec in flying
         )
         with self.cond:
-            forced, self.force = self.force, False
+            since, self.force = self.force, None
+            forced = since is not None and not any(i.time >= since for i in self.incidents)
         trigger = self._key("trigger")
         if stuck or forced:
             if not self.store.check([trigger]):
@@ -326,7 +331,7 @@ class _Watchdog:
         deadline = time.perf_counter() + self.grace_s + 2 * self.poll_s + 2.0
         with self.cond:
             if find() is None:
-                self.force = True
+                self.force = rec.start
                 self.wake.set()
             while (found := find()) is None and self.thread.is_alive():
                 remaining = deadline - time.perf_counter()
@@ -347,13 +352,21 @@ _WATCHDOG: _Watchdog | None = None
 
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return "timed out" in text or "timeout" in text
 
 
 def _translate_timeout(rec: CallRecord, exc: BaseException) -> None:
-    """``on_error`` hook: a backend timeout becomes a CollectiveTimeoutError saying who is where."""
+    """``on_error`` hook: a backend timeout becomes a CollectiveTimeoutError saying who is where.
+
+    Any other backend error of a call already diagnosed as hung is translated too: gloo closes a
+    pair when one side times out, so the peer often sees "Connection closed by peer" first.
+    """
     watchdog = _WATCHDOG
-    if watchdog is None or isinstance(exc, CollectiveTimeoutError) or not _is_timeout(exc):
+    if watchdog is None or isinstance(exc, CollectiveTimeoutError):
+        return
+    if not isinstance(exc, RuntimeError):
+        return
+    if not _is_timeout(exc) and id(rec) not in watchdog.covered:
         return
     incident = watchdog.incident_during(rec)
     if incident is None:
@@ -413,6 +426,12 @@ def arm(
     )
     if _translate_timeout not in TRACKER.on_error:
         TRACKER.on_error.append(_translate_timeout)
+
+
+def ensure_armed() -> None:
+    """Arm with the defaults unless already armed (``init_distributed`` calls this on every rank)."""
+    if _WATCHDOG is None:
+        arm()
 
 
 def disarm() -> None:

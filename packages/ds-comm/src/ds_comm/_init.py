@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_comm import _forensics
 from ds_comm._env import DEFAULT_PORT, LaunchEnv, discover, local_rank_from_env, mpi_env_detected
 from ds_comm._instrument import TRACKER
 from ds_comm.api import DistributedEnvError
@@ -79,7 +80,9 @@ def init_distributed(
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     if dist.is_initialized():
-        return _adopt_existing(rank, world_size, verbose)
+        adopted = _adopt_existing(rank, world_size, verbose)
+        _forensics.ensure_armed()
+        return adopted
 
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     launch = _discover(auto_mpi_discovery, distributed_port, init_method, rank, world_size)
@@ -94,6 +97,7 @@ def init_distributed(
         world_size=launch.world_size,
     )
     TRACKER.reset()
+    _forensics.ensure_armed()
     if verbose and launch.rank == 0:
         print(
             f"[ds_comm] initialised {backend}: world_size={launch.world_size} "
@@ -185,6 +189,8 @@ def _require_initialized(caller: str) -> None:
 def destroy_process_group(group: Any | None = None) -> None:
     """Destroy ``group`` (the default group and all others when None)."""
     global _adoption_announced
+    if group is None:
+        _forensics.disarm()
     dist.destroy_process_group(group)
     if group is None:
         # Sequence numbers belong to the groups just destroyed; a new default group starts at 1.
