@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 import torch
@@ -147,15 +148,30 @@ def annotate(site: str) -> Iterator[None]:
         _SITE.reset(token)
 
 
+# Per code object: is it ds-comm's or torch's own code (skipped when naming the call site)?
+_INTERNAL_CODE: dict[CodeType, bool] = {}
+_SITE_NAMES: dict[tuple[CodeType, int], str] = {}
+
+
 def _call_site() -> str:
+    """``file.py:line`` of the first caller outside ds-comm and torch (cached: runs every call)."""
     site = _SITE.get()
     if site is not None:
         return site
     frame = sys._getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        code = frame.f_code
+        internal = _INTERNAL_CODE.get(code)
+        if internal is None:
+            internal = _INTERNAL_CODE[code] = code.co_filename.startswith(
+                (_PACKAGE_DIR, _TORCH_DIR)
+            )
+        if not internal:
+            key = (code, frame.f_lineno)
+            name = _SITE_NAMES.get(key)
+            if name is None:
+                name = _SITE_NAMES[key] = f"{os.path.basename(code.co_filename)}:{key[1]}"
+            return name
         frame = frame.f_back
     return "?"
 
