@@ -34,13 +34,19 @@ nox.options.sessions = ["lint", *(f"test-{name}" for name in DISTRIBUTIONS), "in
 
 
 def _sync(session: nox.Session, *args: str) -> None:
-    """``uv sync`` from the lock file into this session's venv."""
+    """``uv sync`` from the lock file into this session's venv.
+
+    Workspace members are always rebuilt: their version stays 0.1.0 while their sources change,
+    and uv would otherwise reuse a cached wheel of older sources.
+    """
+    rebuild = [f"--reinstall-package={name}" for name in DISTRIBUTIONS]
     session.run_install(
         "uv",
         "sync",
         "--locked",
         "--no-dev",
         "--no-editable",
+        *rebuild,
         *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
