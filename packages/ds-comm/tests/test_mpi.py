@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,16 @@ def _free_port() -> int:
 def _run_under_mpiexec(mode: str, port: int, extra_env: dict[str, str]) -> list[dict]:
     mpiexec = _find_mpiexec()
     if mpiexec is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH (install ds-comm's test group)")
+        # The test group installs the mpich wheel: a missing launcher is a broken setup, not a skip.
+        pytest.fail("no mpiexec next to the interpreter or on PATH (install ds-comm's test group)")
     env = {
         k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(_STRIP_PREFIXES)
     }
     env.update(extra_env)
+    # Each rank writes its own result file: mpiexec merges the ranks' stdout, and two lines
+    # printed at once can interleave.
+    result_dir = tempfile.mkdtemp(prefix="ds-comm-mpi-")
+    env["DS_TEST_RESULT_DIR"] = result_dir
     cmd = [mpiexec, "-n", "2", sys.executable, __file__, mode, str(port)]
     proc = subprocess.Popen(
         cmd,
@@ -61,7 +67,9 @@ def _run_under_mpiexec(mode: str, port: int, extra_env: dict[str, str]) -> list[
         pytest.fail(f"{' '.join(cmd)} timed out after {_TIMEOUT_S} s; output:\n{output}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{output}")
-    results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+    files = sorted(Path(result_dir).glob("rank*.json"))
+    results = [json.loads(f.read_text()) for f in files]
+    shutil.rmtree(result_dir, ignore_errors=True)
     assert len(results) == 2, output
     return sorted(results, key=lambda r: r["rank"])
 
@@ -134,7 +142,8 @@ def _rank_main(mode: str, port: int) -> None:
     }
     ds_comm.destroy_process_group()
     holder.close()
-    print("RESULT " + json.dumps(result), flush=True)
+    out = Path(os.environ["DS_TEST_RESULT_DIR"]) / f"rank{launcher_rank}.json"
+    out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

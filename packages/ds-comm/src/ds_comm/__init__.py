@@ -9,21 +9,16 @@ from __future__ import annotations
 
 from ds_comm._bucketing import Bucket, flatten_into_buckets, unflatten_bucket
 from ds_comm._collectives import (
-    P2POp,
     all_gather,
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
     barrier,
-    batch_isend_irecv,
     broadcast,
-    irecv,
-    isend,
-    recv,
+    force_algorithm,
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
-    send,
 )
 from ds_comm._compressed import CompressedAllReduce, compressed_all_reduce
 from ds_comm._env import LaunchEnv
@@ -38,6 +33,7 @@ from ds_comm._init import (
 )
 from ds_comm._instrument import annotate
 from ds_comm._logger import configure, get_comms_logger, log_summary
+from ds_comm._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from ds_comm._topology import (
     Mpu,
     MpuProtocol,
@@ -84,6 +80,7 @@ __all__ = [
     "P2POp",
     "batch_isend_irecv",
     "barrier",
+    "force_algorithm",
     # topology
     "ProcessTopology",
     "PipeDataParallelTopology",
