@@ -29,6 +29,10 @@ DISTRIBUTIONS = {
     "ds-engine": "packages/ds-engine",
 }
 
+# Sessions that use Debian packages for real (sshd, pdsh, libaio, fio); tools/setup/system-deps.sh
+# installs whatever is missing first (it needs root and apt-get, as CI has).
+NEEDS_SYSTEM_DEPS = {"ds-offload-aio", "ds-launch"}
+
 # The default CI run: everything but benchmarks and tests marked slow.
 nox.options.sessions = ["lint", *(f"test-{name}" for name in DISTRIBUTIONS), "integration"]
 
@@ -53,6 +57,10 @@ def _sync(session: nox.Session, *args: str) -> None:
     )
 
 
+def _system_deps(session: nox.Session) -> None:
+    session.run("bash", "tools/setup/system-deps.sh", external=True)
+
+
 def _pytest(session: nox.Session, *paths: str) -> None:
     args = session.posargs or ["-m", "not slow"]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -71,6 +79,8 @@ def lint(session: nox.Session) -> None:
 def _make_test_session(name: str, path: str) -> None:
     @nox.session(name=f"test-{name}")
     def test(session: nox.Session) -> None:
+        if name in NEEDS_SYSTEM_DEPS:
+            _system_deps(session)
         _sync(session, "--package", name, "--group", "test")
         _pytest(session, f"{path}/tests")
 
@@ -84,6 +94,7 @@ for _name, _path in DISTRIBUTIONS.items():
 @nox.session
 def integration(session: nox.Session) -> None:
     """Install the whole stack (ds-engine and everything) and run the cross-package tests."""
+    _system_deps(session)
     _sync(session, "--all-packages", "--group", "integration")
     _pytest(session, "integration")
 
@@ -91,6 +102,7 @@ def integration(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (not in the default run): print tables next to the peer measured in the same run."""
+    _system_deps(session)
     _sync(session, "--all-packages")
     scripts = session.posargs or ["comm"]
     for script in scripts:
