@@ -1,0 +1,242 @@
+"""Disk bandwidth: ds-offload-aio's AioHandle next to fio and torch.save/torch.load, in one run.
+
+On one directory and one total size:
+
+1. fio sweep (the peer): ``--ioengine=libaio --direct=1 --bs=1M`` sequential write then read,
+   over numjobs 1/2/4 x iodepth 32/128 (one fio setting understates the device), the total size
+   split across the jobs. It picks fio's best setting for read and for write.
+2. AioHandle's configuration: the best from the tuner (``ds_offload_aio.tune``, the engine of
+   ``ds-nvme-tune``), or the one given with ``--aio-config``.
+3. Head to head, interleaved so that drift and neighbours' load hit both alike: per repeat, fio's
+   best write setting, AioHandle ``sync_pwrite`` of one page-locked buffer of the total size to one
+   file, fio's best read setting, AioHandle ``sync_pread``; all O_DIRECT, files kept between
+   repeats on both sides. The verdict compares the best of these runs.
+4. ``torch.save`` (with fsync) and ``torch.load`` of the same bytes; before each load the file's
+   pages are dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed).
+
+Rates are GB/s (10^9 bytes/s), best of ``--repeats``. The target: AioHandle >= 95% of fio's best
+for both read and write, i.e. the disk, not the handle, is the limit; the CPU AioHandle used while
+moving the bytes (process CPU time / wall time) is printed too.
+
+Usage (from the workspace root)::
+
+    uv run python tools/bench/aio.py --dir /nvme/scratch                  # 1 GiB, tuned
+    uv run python tools/bench/aio.py --dir /nvme/scratch --size 4G --repeats 5
+    uv run python tools/bench/aio.py --dir /nvme/scratch \\
+        --aio-config '{"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 4}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ds_offload_aio import AioConfig, AioHandle, backend_info, tune
+from ds_offload_aio._tune import format_table, parse_size
+
+FIO_NUMJOBS = (1, 2, 4)
+FIO_IODEPTHS = (32, 128)
+QUICK_SWEEP = {
+    "block_size": ["1M"],
+    "queue_depth": [8, 32, 128],
+    "intra_op_parallelism": [1, 2, 4, 8],
+    "single_submit": [False],
+    "overlap_events": [True, False],
+}
+TARGET = 0.95
+
+
+@dataclass(frozen=True)
+class Fio:
+    """One fio setting; its files (one per job, named by numjobs) are kept until the end."""
+
+    directory: str
+    size: int
+    numjobs: int
+    iodepth: int
+
+    @property
+    def name(self) -> str:
+        return f"fio numjobs={self.numjobs} iodepth={self.iodepth}"
+
+    def run(self, rw: str) -> float:
+        """GB/s of one fio run (fio's own measurement, file layout excluded)."""
+        args = [
+            "fio", f"--name=ds_aio_bench_j{self.numjobs}", f"--directory={self.directory}",
+            "--ioengine=libaio", "--direct=1", "--bs=1M", f"--iodepth={self.iodepth}",
+            f"--numjobs={self.numjobs}", f"--size={self.size // self.numjobs >> 20}M",
+            f"--rw={rw}", "--group_reporting", "--output-format=json",
+        ]  # fmt: skip
+        proc = subprocess.run(args, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            sys.exit(f"fio failed ({' '.join(args)}):\n{proc.stderr}")
+        report = json.loads(proc.stdout[proc.stdout.index("{") :])  # fio may print notes first
+        return report["jobs"][0][rw]["bw_bytes"] / 1e9
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: read and write GB/s."""
+
+    name: str
+    read: float
+    write: float
+
+
+def _timed(nbytes: int, run: Callable[[], object]) -> tuple[float, float]:
+    """GB/s of one run, and the process's CPU use during it (fraction of one core)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return nbytes / wall / 1e9, cpu / wall
+
+
+def fio_sweep(directory: str, size: int, repeats: int) -> tuple[list[Row], Fio, Fio]:
+    """Every fio setting (best of ``repeats``); returns the rows and the best read/write setting."""
+    rows, settings = [], []
+    for numjobs in FIO_NUMJOBS:
+        for iodepth in FIO_IODEPTHS:
+            fio = Fio(directory, size, numjobs, iodepth)
+            write = max(fio.run("write") for _ in range(repeats))
+            read = max(fio.run("read") for _ in range(repeats))
+            rows.append(Row(fio.name, read, write))
+            settings.append(fio)
+    best_read = settings[max(range(len(rows)), key=lambda i: rows[i].read)]
+    best_write = settings[max(range(len(rows)), key=lambda i: rows[i].write)]
+    return rows, best_read, best_write
+
+
+def head_to_head(
+    handle: AioHandle, buffer: torch.Tensor, path: str, fio_read: Fio, fio_write: Fio, repeats: int
+) -> tuple[Row, Row, tuple[float, float]]:
+    """Interleaved runs of fio's best settings and the handle; best of each, handle CPU use."""
+    nbytes = buffer.numel()
+    fio_w, fio_r, ours_w, ours_r = [], [], [], []
+    for _ in range(repeats):
+        fio_w.append(fio_write.run("write"))
+        ours_w.append(_timed(nbytes, lambda: handle.sync_pwrite(buffer, path)))
+        fio_r.append(fio_read.run("read"))
+        ours_r.append(_timed(nbytes, lambda: handle.sync_pread(buffer, path)))
+    fio = Row(f"fio best (read: {fio_read.name[4:]}; write: {fio_write.name[4:]})",
+              max(fio_r), max(fio_w))  # fmt: skip
+    (read, read_cpu), (write, write_cpu) = max(ours_r), max(ours_w)
+    return fio, Row(_describe(handle), read, write), (read_cpu, write_cpu)
+
+
+def _describe(handle: AioHandle) -> str:
+    flags = (" single_submit" if handle.get_single_submit() else "") + (
+        " overlap_events" if handle.get_overlap_events() else ""
+    )
+    return (
+        f"AioHandle bs={handle.get_block_size() >> 10}K qd={handle.get_queue_depth()} "
+        f"par={handle.get_intra_op_parallelism()}{flags}"
+    )
+
+
+def measure_torch(buffer: torch.Tensor, path: str, repeats: int) -> Row:
+    """torch.save + fsync, then torch.load from a cold page cache."""
+
+    def save() -> None:
+        with open(path, "wb") as f:
+            torch.save(buffer, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        torch.load(path, weights_only=True)
+
+    write = max(_timed(buffer.numel(), save)[0] for _ in range(repeats))
+    read = max(_timed(buffer.numel(), load)[0] for _ in range(repeats))
+    return Row("torch.save / torch.load", read, write)
+
+
+def print_report(
+    sweep: list[Row], fio: Row, ours: Row, torch_row: Row | None, cpu: tuple[float, float]
+) -> None:
+    width = max(len(r.name) for r in [*sweep, fio, ours]) + 2
+    print(f"\n{'fio sweep (selects the setting)':{width}}{'read GB/s':>16}{'write GB/s':>16}")
+    for row in sweep:
+        print(f"{row.name:{width}}{row.read:>16.2f}{row.write:>16.2f}")
+    print(f"\n{'head to head (interleaved)':{width}}{'read GB/s':>16}{'write GB/s':>16}")
+    print(f"{fio.name:{width}}{fio.read:>16.2f}{fio.write:>16.2f}")
+    for row in (ours, torch_row):
+        if row is not None:
+            read = f"{row.read:.2f} ({row.read / fio.read:4.0%})"
+            write = f"{row.write:.2f} ({row.write / fio.write:4.0%})"
+            print(f"{row.name:{width}}{read:>16}{write:>16}")
+    print(f"\nAioHandle CPU use while moving the bytes: read {cpu[0]:.0%}, write {cpu[1]:.0%} "
+          "of one core")  # fmt: skip
+    for kind, share in (("read", ours.read / fio.read), ("write", ours.write / fio.write)):
+        verdict = "MET" if share >= TARGET else "NOT MET"
+        print(f"target {kind}: AioHandle >= {TARGET:.0%} of fio's best: {verdict} ({share:.1%})")
+
+
+def _filesystem(path: str) -> str:
+    """Type and mount point holding ``path`` (on tmpfs the numbers would mean nothing)."""
+    best = ("?", "?")
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, mount, fstype, *_ = line.split()
+            if os.path.realpath(path).startswith(mount) and len(mount) >= len(best[0]):
+                best = (mount, fstype)
+    return f"{best[1]} at {best[0]}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--dir", help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--size", default="1G", help="total bytes per run (default 1G)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (best)")
+    parser.add_argument("--tune-size", default="256M", help="bytes per tuner run (default 256M)")
+    parser.add_argument("--sweep", help="tuner sweep as JSON (default: a quick 24-config sweep)")
+    parser.add_argument("--aio-config", help="aio section as JSON: skip the tuner, use this")
+    parser.add_argument("--skip-torch", action="store_true", help="leave out torch.save/load")
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if shutil.which("fio") is None:
+        sys.exit("fio is not installed (tools/setup/system-deps.sh installs it)")
+    size = parse_size(args.size) // (4 << 20) * (4 << 20)  # whole MiB for every fio job
+    directory = tempfile.mkdtemp(prefix="ds-aio-bench-", dir=args.dir)
+    info = backend_info()
+    print(f"directory {directory} ({_filesystem(directory)}), {size / 2**30:g} GiB per run, "
+          f"best of {args.repeats}; AioHandle backend: {info['backend']} {info['reason'] or ''}")  # fmt: skip
+    try:
+        if args.aio_config:
+            config = AioConfig.from_dict(json.loads(args.aio_config))
+        else:
+            sweep = json.loads(args.sweep) if args.sweep else QUICK_SWEEP
+            results = tune(directory, parse_size(args.tune_size), sweep)
+            print(format_table(results))
+            config = results[0].config
+        print("AioHandle config:", json.dumps({"aio": config.handle_kwargs()}))
+
+        sweep_rows, fio_read, fio_write = fio_sweep(directory, size, args.repeats)
+        path = os.path.join(directory, "ds_aio_bench.handle")
+        with AioHandle.from_config(config) as handle:
+            buffer = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            buffer.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))  # incompressible
+            fio, ours, cpu = head_to_head(handle, buffer, path, fio_read, fio_write, args.repeats)
+        torch_row = None if args.skip_torch else measure_torch(buffer, path, args.repeats)
+        print_report(sweep_rows, fio, ours, torch_row, cpu)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
