@@ -7,6 +7,14 @@ optional dependency (``ds-kernels[triton]``).
 
 from __future__ import annotations
 
+from ds_kernels._adam import adam, adam_reference
+from ds_kernels._moe_combine import (
+    moe_combine,
+    moe_combine_reference,
+    moe_combine_weight_grad,
+    moe_combine_weight_grad_reference,
+)
+from ds_kernels._moe_dispatch import moe_dispatch, moe_dispatch_reference
 from ds_kernels._scaled_add import scaled_add, scaled_add_reference
 from ds_kernels._triton import triton_available
 from ds_kernels.api import Backend
@@ -17,6 +25,15 @@ __all__ = [
     # kernels, each with its torch reference
     "scaled_add",
     "scaled_add_reference",
+    "adam",
+    "adam_reference",
+    # mixture-of-experts routing (token <-> expert slot)
+    "moe_dispatch",
+    "moe_dispatch_reference",
+    "moe_combine",
+    "moe_combine_reference",
+    "moe_combine_weight_grad",
+    "moe_combine_weight_grad_reference",
     # dispatch
     "Backend",
     "triton_available",
