@@ -21,7 +21,10 @@ MODULE = "ds_native._ds_native_cffi"
 # -fno-math-errno lets sqrtf become a single vector instruction (the Adam update needs it). No
 # -march: the wheel must run on any CPU of its architecture; wider ISAs come through per-function
 # target attributes and ds_native_simd_level() at run time.
-COMPILE_ARGS = ["-O3", "-fno-math-errno"]
+COMPILE_ARGS = ["-O3", "-fno-math-errno", "-pthread"]
+# The parallel kernels run on a small pthread pool (csrc/thread_pool.c), not OpenMP: see
+# [Note: thread pool] there.
+LINK_ARGS = ["-pthread"]
 
 
 def _declarations(header: Path) -> str:
@@ -43,8 +46,9 @@ ffibuilder.set_source(
     _PREAMBLE,
     sources=[p.as_posix() for p in sorted(CSRC.glob("*.c"))],
     include_dirs=[CSRC.as_posix()],
-    depends=[HEADER.as_posix()],
+    depends=[p.as_posix() for p in sorted(CSRC.glob("*.h"))],
     extra_compile_args=COMPILE_ARGS,
+    extra_link_args=LINK_ARGS,
     optional=True,  # see [Note: optional native build] in setup.py
 )
 

@@ -18,4 +18,46 @@ const char *ds_native_compile_args(void);
 /* axpy.c: y[i] += alpha * x[i] for i in [0, n). x and y may be the same buffer. */
 void ds_native_axpy_f32(int64_t n, float alpha, const float *x, float *y);
 
+/* adam.c: one Adam / AdamW step, in place and in one pass, over n float32 master parameters and
+ * their float32 exp_avg and exp_avg_sq. grad is float32, float16 or bfloat16 (grad_dtype). When
+ * param_copy is not NULL the updated parameters are also written there as copy_dtype (float16 or
+ * bfloat16, rounded to nearest even). No two buffers may overlap. Runs on up to num_threads
+ * threads. simd picks the code path (DS_NATIVE_ADAM_AUTO: the widest this CPU runs). Returns the
+ * path that ran, -1 when this CPU or build cannot run the requested path, -2 for a bad dtype.
+ */
+enum ds_native_dtype { DS_NATIVE_FLOAT32 = 0, DS_NATIVE_FLOAT16 = 1, DS_NATIVE_BFLOAT16 = 2 };
+enum ds_native_adam_simd {
+    DS_NATIVE_ADAM_AUTO = 0,
+    DS_NATIVE_ADAM_SCALAR = 1,
+    DS_NATIVE_ADAM_AVX2 = 2,
+    DS_NATIVE_ADAM_AVX512 = 3
+};
+typedef struct {
+    double lr;
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
+    int64_t step;        /* 1 on the first step */
+    int bias_correction; /* nonzero: divide the moments by 1 - beta^step */
+    int adamw_mode;      /* nonzero: decoupled weight decay (AdamW); zero: L2 added to the grad */
+} ds_native_adam_hparams;
+int ds_native_adam_step(int64_t n, float *param, const void *grad, int grad_dtype, float *exp_avg,
+                        float *exp_avg_sq, void *param_copy, int copy_dtype,
+                        const ds_native_adam_hparams *hparams, int simd, int num_threads);
+/* The path DS_NATIVE_ADAM_AUTO runs on this CPU, and whether a given path can run here. */
+int ds_native_adam_auto_simd(void);
+int ds_native_adam_simd_supported(int simd);
+/* An Adam step's memory traffic without its arithmetic, through the same loops (widest path):
+ * x[i] += scalar * g[i] for x in p, m, v. A bandwidth yardstick; no two buffers may overlap. */
+void ds_native_stream_adam_traffic(int64_t n, float *p, const float *g, float *m, float *v,
+                                   float scalar, int num_threads);
+
+/* stream.c: STREAM's triad a[i] = b[i] + scalar * c[i] for i in [0, n), on up to num_threads
+ * threads, a memory-bandwidth yardstick; nontemporal nonzero writes `a` with streaming stores
+ * where the CPU has them. a must not partially overlap b or c.
+ */
+void ds_native_stream_triad(int64_t n, float *a, const float *b, const float *c, float scalar,
+                            int nontemporal, int num_threads);
+
 #endif /* DS_NATIVE_H */

@@ -68,4 +68,5 @@ def test_build_info_without_extension(monkeypatch: pytest.MonkeyPatch) -> None:
         "compiled_simd": None,
         "compiler": None,
         "compile_args": None,
+        "adam_simd": None,
     }

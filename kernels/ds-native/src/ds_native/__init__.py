@@ -7,9 +7,16 @@ C compiler (then it warns once, with ``NativeFallbackWarning``).
 
 from __future__ import annotations
 
+from ds_native._adam import adam_step, adam_step_reference
 from ds_native._axpy import axpy, axpy_reference
 from ds_native._ext import build_info, native_available, simd_level
-from ds_native.api import Backend, BuildInfo, NativeFallbackWarning, SimdLevel
+from ds_native._stream import (
+    stream_adam_traffic,
+    stream_adam_traffic_reference,
+    stream_triad,
+    stream_triad_reference,
+)
+from ds_native.api import AdamSimd, Backend, BuildInfo, NativeFallbackWarning, SimdLevel
 
 __version__ = "0.1.0"
 
@@ -17,11 +24,18 @@ __all__ = [
     # kernels, each with its torch reference
     "axpy",
     "axpy_reference",
+    "adam_step",
+    "adam_step_reference",
+    "stream_triad",
+    "stream_triad_reference",
+    "stream_adam_traffic",
+    "stream_adam_traffic_reference",
     # build and CPU introspection
     "native_available",
     "build_info",
     "simd_level",
     # types
+    "AdamSimd",
     "Backend",
     "BuildInfo",
     "NativeFallbackWarning",

@@ -99,6 +99,8 @@ def build_info() -> BuildInfo:
         >>> ds_native.build_info()["simd_level"]
         'avx2'
     """
+    from ds_native import _adam  # imports this module
+
     lib = EXTENSION.lib
     if lib is None:
         return BuildInfo(
@@ -108,6 +110,7 @@ def build_info() -> BuildInfo:
             compiled_simd=None,
             compiler=None,
             compile_args=None,
+            adam_simd=None,
         )
     return BuildInfo(
         available=True,
@@ -116,4 +119,5 @@ def build_info() -> BuildInfo:
         compiled_simd=_c_string(lib.ds_native_compiled_simd()),
         compiler=_c_string(lib.ds_native_compiler()),
         compile_args=_c_string(lib.ds_native_compile_args()).split(),
+        adam_simd=_adam.default_simd(),
     )

@@ -11,6 +11,10 @@ SimdLevel = Literal["avx512", "avx2", "neon", "scalar"]
 """Widest SIMD instruction set the running CPU (and OS) supports, as the kernels will use it."""
 
 
+AdamSimd = Literal["avx512", "avx2", "scalar"]
+"""Code path of the CPU-Adam kernel: AVX-512 (F/BW/VL), AVX2 (+FMA, F16C), or portable C."""
+
+
 class BuildInfo(TypedDict):
     """What ``ds_native.build_info()`` reports about the C extension."""
 
@@ -26,6 +30,9 @@ class BuildInfo(TypedDict):
     """Compiler that built the extension, e.g. ``"gcc 12.2.0"``."""
     compile_args: list[str] | None
     """Extra compile arguments the extension was built with."""
+    adam_simd: AdamSimd | None
+    """Code path ``adam_step`` runs by default here: the widest the CPU supports, unless
+    ``$DS_NATIVE_ADAM_SIMD`` forces one (None without the extension)."""
 
 
 class NativeFallbackWarning(RuntimeWarning):
