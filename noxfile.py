@@ -8,6 +8,7 @@ dependency a package forgot to declare fails here, as it would for a user who in
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
@@ -104,6 +105,6 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (not in the default run): print tables next to the peer measured in the same run."""
     _system_deps(session)
     _sync(session, "--all-packages")
-    scripts = session.posargs or ["comm"]
+    scripts = session.posargs or sorted(path.stem for path in Path("tools/bench").glob("*.py"))
     for script in scripts:
         session.run("python", f"tools/bench/{script}.py")

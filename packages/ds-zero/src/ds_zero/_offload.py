@@ -1,0 +1,115 @@
+"""ZeRO-Offload: host placement of partitions and NVMe swapping of optimizer state.
+
+[Note: ZeRO-Offload]
+With ``offload_optimizer.device`` cpu or nvme, each rank's fp32 master partition, its fp32
+gradient partition and the optimizer state live in host memory (page-locked with
+``pin_memory`` when CUDA is present), and the optimizer steps there: ds-optim's ``CPUAdam``
+(DeepSpeed's ``DeepSpeedCPUAdam``) is the fast choice, and any ``torch.optim`` optimizer works.
+Reduced gradient shards are copied device-to-host as they land; after the step the updated
+partition is copied back in the model's dtype (by ``CPUAdam`` itself when it accepts
+``fp16_param_groups``) and gathered. With nvme, the optimizer state tensors are additionally
+written out through a :class:`~ds_zero.api.TensorSwapper` after every step and read back before
+the next, so between steps they occupy no memory. The swapper is ds-offload-aio's
+``AsyncTensorSwapper`` (built with DeepSpeed's default ``aio`` settings when none is passed), or
+anything satisfying :class:`~ds_zero.api.TensorSwapper`; files go under
+``<nvme_path>/ds_zero/rank<r>/``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ds_zero.api import ConfigError, TensorSwapper
+
+__all__ = ["StateSwap", "accepts_fp16_param_groups", "default_swapper", "host_zeros"]
+
+
+def host_zeros(numel: int, dtype: torch.dtype, *, pin_memory: bool) -> torch.Tensor:
+    """A zeroed host tensor, page-locked when asked and CUDA is present."""
+    pin = pin_memory and torch.cuda.is_available()
+    return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def accepts_fp16_param_groups(optimizer: torch.optim.Optimizer) -> bool:
+    """True for optimizers whose ``step`` also writes low-precision copies (``CPUAdam``)."""
+    try:
+        return "fp16_param_groups" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def default_swapper(buffer_bytes: int, buffer_count: int) -> TensorSwapper:
+    """ds-offload-aio's swapper with DeepSpeed's default ``aio`` settings.
+
+    Raises:
+        ConfigError: ds-offload-aio is not installed.
+    """
+    try:
+        import ds_offload_aio as aio
+    except ImportError as exc:
+        raise ConfigError(
+            'zero_optimization.offload_optimizer.device = "nvme" swaps through ds-offload-aio, '
+            "which is not installed: pip install ds-zero[nvme] (or pass swapper=)"
+        ) from exc
+    pool = aio.PinnedBufferPool(buffer_bytes=buffer_bytes, count=max(2, buffer_count))
+    return aio.AsyncTensorSwapper(aio.AioHandle(), pool)
+
+
+class StateSwap:
+    """Swaps an optimizer's partition-sized state tensors out after a step and in before the next.
+
+    Args:
+        swapper: the NVMe swapper.
+        optimizer: the optimizer whose ``state`` holds partition-sized tensors.
+        masters: the tensors the optimizer steps (one per group).
+        folder: this rank's directory for the swap files (created).
+    """
+
+    def __init__(
+        self,
+        swapper: TensorSwapper,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        folder: Path,
+    ) -> None:
+        self.swapper, self.optimizer, self.masters = swapper, optimizer, masters
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._out: dict[tuple[int, str], tuple[torch.Size, torch.dtype]] = {}
+
+    def _path(self, index: int, name: str) -> str:
+        return str(self.folder / f"group{index}_{name}.swp")
+
+    def swap_out(self) -> None:
+        """Write every partition-sized state tensor out and drop it from the optimizer."""
+        moved, tensors = [], []
+        for index, master in enumerate(self.masters):
+            for name, value in self.optimizer.state.get(master, {}).items():
+                if isinstance(value, torch.Tensor) and value.numel() == master.numel():
+                    moved.append((index, name))
+                    tensors.append(value)
+        if not moved:
+            return
+        self.swapper.swap_out(tensors, [self._path(i, n) for i, n in moved])
+        for (index, name), tensor in zip(moved, tensors):
+            self._out[index, name] = (tensor.shape, tensor.dtype)
+            del self.optimizer.state[self.masters[index]][name]
+
+    def swap_in(self) -> None:
+        """Read the swapped-out tensors back into the optimizer's state."""
+        if not self._out:
+            return
+        keys = list(self._out)
+        tensors = [
+            torch.empty(shape, dtype=dtype, device=self.masters[index].device)
+            for (index, _), (shape, dtype) in self._out.items()
+        ]
+        self.swapper.swap_in(tensors, [self._path(i, n) for i, n in keys], async_op=True)
+        self.swapper.wait()
+        for (index, name), tensor in zip(keys, tensors):
+            self.optimizer.state[self.masters[index]][name] = tensor
+        self._out.clear()

@@ -1,0 +1,494 @@
+"""``ZeroOptimizer``: a model and any elementwise ``torch.optim`` optimizer, trained with ZeRO
+stage 0, 1 or 2 over a data-parallel group.
+
+[Note: one step]
+``backward(loss)`` scales the loss (loss scale / accumulation steps) and runs autograd; hooks
+reduce gradients as described in ``_reduce.py``. ``step()`` at the accumulation boundary:
+
+1. makes each group's fp32 gradient for the master partition: the stage 2 / offload shard
+   itself when it is fp32, else a transient fp32 copy (the own shards of the flat buffer for
+   stage 1, the whole buffer for stage 0);
+2. takes the global L2 norm of those gradients over the group (stages 1/2 hold disjoint shards;
+   stage 0 holds the whole and communicates nothing). With a loss scaler a non-finite norm is an
+   overflow: every rank sees the same norm, so every rank skips the step, zeroes the gradients
+   and lowers the scale;
+3. scales the gradients once by ``1 / (loss_scale * clip)`` with DeepSpeed's clip rule
+   ``clip = max(1, (norm + 1e-6) / gradient_clipping)`` on the unscaled norm;
+4. steps the wrapped optimizer on the master partitions (one flat tensor per group);
+5. writes the updated partitions back into the model's parameters in their dtype and gathers
+   every rank's partition (see ``_gather.py``), then zeroes the gradients.
+
+For stage 0 with fp32 parameters the master *is* the flat parameter buffer and its gradient the
+flat gradient buffer (no copies, as plain DDP). Any optimizer whose update is elementwise works
+(Adam, AdamW, SGD, Lion, ...); per-tensor rules (LAMB's trust ratio, Adafactor) would see a flat
+partition instead of tensors, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ds_comm
+from ds_optim import global_grad_norm
+from ds_zero._checkpoint import FORMAT, resolve_states
+from ds_zero._gather import gather_partition
+from ds_zero._layout import FlatGroup, build_layout
+from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
+from ds_zero._reduce import GradReducer, ReduceContext
+from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
+
+__all__ = ["ZeroOptimizer"]
+
+
+def _dp_rank_and_size(group: Any) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return ds_comm.get_rank(group), ds_comm.get_world_size(group)
+
+
+def dist_rank() -> int:
+    """This process's global rank (0 without a process group): names per-rank files."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _trainable_groups(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[torch.nn.Parameter]]:
+    """Each optimizer group's trainable parameters, checked against the model."""
+    in_model = {id(p) for p in model.parameters()}
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [
+        n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_optimizer
+    ]
+    if missing:
+        raise ValueError(
+            f"trainable parameters missing from the optimizer: {missing[:5]}; pass all of "
+            "model.parameters() to it, or set requires_grad=False on the ones to freeze"
+        )
+    if in_optimizer - in_model:
+        raise ValueError("the optimizer holds parameters that are not in the model")
+    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    kinds = {(p.dtype, p.device) for g in groups for p in g}
+    if not kinds:
+        raise ValueError("the model has no trainable parameters")
+    if len(kinds) > 1:
+        raise ValueError(
+            f"trainable parameters must share one dtype and device, got {sorted(map(str, kinds))};"
+            " cast the model first (e.g. model.to(torch.bfloat16))"
+        )
+    dtype = next(iter(kinds))[0]
+    if not dtype.is_floating_point:
+        raise ValueError(f"parameters of dtype {dtype} cannot be trained")
+    return groups
+
+
+class ZeroOptimizer:
+    """ZeRO stage 0/1/2 around ``model`` and ``optimizer`` over a data-parallel group.
+
+    The model's trainable parameters become views into flat per-group buffers, the optimizer's
+    param groups are re-pointed at flat fp32 master partitions (their hyper-parameters, and any
+    LR scheduler holding the optimizer, keep working), and the initial parameters are broadcast
+    from the group's first rank. See [Note: one step].
+
+    Args:
+        model: the module (its parameters in one dtype: fp32, bf16 or fp16, on one device).
+        optimizer: a ``torch.optim`` optimizer over the model's trainable parameters, without
+            state yet; with ``offload_optimizer`` ds-optim's ``CPUAdam`` is the fast choice.
+        config: the ``zero_optimization`` section (default: stage 0).
+        group: the data-parallel process group (None: the default group, or a single process
+            when ``torch.distributed`` is not initialised).
+        loss_scaler: ds-optim's ``DynamicLossScaler``/``StaticLossScaler`` for fp16 (anything
+            with ``loss_scale``, ``update_scale(overflow)``, ``state_dict``/``load_state_dict``).
+        gradient_accumulation_steps: micro-batches per optimizer step; ``backward`` divides the
+            loss by it.
+        gradient_clipping: max global gradient norm (0: no clipping).
+        swapper: where optimizer state goes with ``offload_optimizer.device="nvme"``
+            (default: ds-offload-aio's ``AsyncTensorSwapper`` with default ``aio`` settings).
+
+    Example:
+        >>> zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ...                      ZeroConfig(stage=2, overlap_comm=True), group=dp_group)
+        >>> for batch in loader:
+        ...     zero.backward(loss_fn(model(batch)))
+        ...     zero.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig | None = None,
+        *,
+        group: Any = None,
+        loss_scaler: Any = None,
+        gradient_accumulation_steps: int = 1,
+        gradient_clipping: float = 0.0,
+        swapper: TensorSwapper | None = None,
+    ) -> None:
+        self.config = config if config is not None else ZeroConfig()
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps}: >= 1")
+        if not gradient_clipping >= 0:
+            raise ValueError(f"gradient_clipping = {gradient_clipping}: expected >= 0")
+        offload = self.config.offload_optimizer
+        self.module, self.optimizer, self.group = model, optimizer, group
+        self.loss_scaler = loss_scaler
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.gradient_clipping = float(gradient_clipping)
+        self.rank, self.world_size = _dp_rank_and_size(group)
+        self.num_shards = self.world_size if self.config.shard_optimizer_state else 1
+        self.shard_rank = self.rank if self.num_shards > 1 else 0  # whose slice of each unit
+        trainable = _trainable_groups(model, optimizer)
+        self.groups: list[FlatGroup] = build_layout(
+            [g for g in trainable if g],  # groups of frozen parameters only are left alone
+            registration={p: i for i, p in enumerate(model.parameters())},
+            names={p: n for n, p in model.named_parameters()},
+            num_shards=self.num_shards,
+            bucket_numel=self.config.reduce_bucket_size,
+        )
+        self._broadcast_params()
+        self.reducer = GradReducer(
+            self.groups,
+            self.config,
+            ReduceContext(group, self.rank, self.world_size, offload.enabled, offload.pin_memory),
+        )
+        fp32_params = self.groups[0].flat.dtype == torch.float32
+        self._master_is_flat = fp32_params and not self.config.shard_optimizer_state
+        self.masters = [self._new_master(g) for g in self.groups]
+        self._rewire_optimizer(trainable)
+        low_precision = self.groups[0].flat.dtype in (torch.float16, torch.bfloat16)
+        self._fused_copy = (
+            offload.enabled and low_precision and accepts_fp16_param_groups(optimizer)
+        )
+        self._swap: StateSwap | None = None
+        if offload.device == "nvme":
+            largest = 4 * max(m.numel() for m in self.masters)
+            if swapper is None:
+                swapper = default_swapper(min(largest, 64 << 20), offload.buffer_count)
+            folder = Path(str(offload.nvme_path)) / "ds_zero" / f"rank{dist_rank()}"
+            self._swap = StateSwap(swapper, optimizer, self.masters, folder)
+        self.micro_steps = 0  # backward passes
+        self._window = 0  # backward passes since the last optimizer step
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._boundary: bool | None = None
+        self._grad_norm: float | None = None
+
+    # --- construction ----------------------------------------------------------------------------
+
+    def _broadcast_params(self) -> None:
+        if self.world_size == 1:
+            return
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        for g in self.groups:
+            ds_comm.broadcast(g.flat, src, group=self.group)
+
+    def _new_master(self, group: FlatGroup) -> torch.Tensor:
+        if self._master_is_flat:
+            return group.flat
+        offload = self.config.offload_optimizer
+        if offload.enabled:
+            master = host_zeros(group.partition_numel, torch.float32, pin_memory=offload.pin_memory)
+        else:
+            master = torch.zeros(
+                group.partition_numel, dtype=torch.float32, device=group.flat.device
+            )
+        self._master_from_params(group, master)
+        return master
+
+    def _master_from_params(self, group: FlatGroup, master: torch.Tensor) -> None:
+        for unit in group.units:
+            unit.in_partition(master).copy_(unit.shard(group.flat, self.shard_rank))
+
+    def _rewire_optimizer(self, trainable: Sequence[Sequence[torch.nn.Parameter]]) -> None:
+        if self.optimizer.state:
+            raise ValueError(
+                "the optimizer already has state; wrap it before its first step (restore "
+                "checkpoints with ZeroOptimizer.load_state_dict)"
+            )
+        masters = iter(self.masters)
+        for index, param_group in enumerate(self.optimizer.param_groups):
+            param_group["params"] = [next(masters)] if trainable[index] else []
+
+    # --- accumulation boundary ------------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``backward()`` completes the accumulation window: its gradients are
+        reduced (stages 0/1) and the ``step()`` after it steps."""
+        if self._boundary is not None:
+            return self._boundary
+        return self._window + 1 >= self.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the boundary (pipeline schedules, ``no_sync``); None returns to counting
+        backward passes. The override decides both whether backward reduces (stages 0/1) and
+        whether ``step()`` steps."""
+        self._boundary = is_boundary
+
+    @property
+    def boundary_override(self) -> bool | None:
+        """The value set by :meth:`set_gradient_accumulation_boundary` (None: counting)."""
+        return self._boundary
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a loss scaler)."""
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (for LR schedulers)."""
+        return self.optimizer.param_groups
+
+    # --- backward and step -----------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        """Backpropagate ``loss * loss_scale / gradient_accumulation_steps`` and reduce gradients.
+
+        Stage 2 reduces in every micro-batch; stages 0/1 only at the accumulation boundary.
+        """
+        reduce = self.config.shard_gradients or self.is_gradient_accumulation_boundary()
+        scale = self.loss_scale / self.gradient_accumulation_steps
+        self.reducer.begin(reduce)
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            self.reducer.finish()
+        except BaseException:
+            self.reducer.abort()
+            raise
+        self.micro_steps += 1
+        self._window += 1
+
+    def step(self) -> bool:
+        """Step once ``gradient_accumulation_steps`` backward passes were taken since the last
+        step (or the boundary was set); otherwise do nothing, so it may be called after every
+        micro-batch (DeepSpeed's engine contract) or once per window.
+
+        Returns:
+            True when the step was skipped because gradients overflowed (on every rank).
+        """
+        due = self._window >= self.gradient_accumulation_steps
+        if not (self._boundary if self._boundary is not None else due):
+            return False
+        self._window = 0
+        self.reducer.flush()
+        grads = [self._master_grad(g) for g in self.groups]
+        # ds-optim reads group=None as "nothing to reduce": name the default group explicitly.
+        sharded = self.config.shard_optimizer_state and self.world_size > 1
+        norm_group = (self.group or dist.group.WORLD) if sharded else None
+        norm = float(global_grad_norm(grads, 2.0, group=norm_group))
+        scale = self.loss_scale
+        if self.loss_scaler is not None and not math.isfinite(norm):
+            self._grad_norm = norm
+            self.loss_scaler.update_scale(True)
+            self.skipped_steps += 1
+            self.reducer.zero()
+            return True
+        self._grad_norm = norm / scale
+        combined = scale
+        if self.gradient_clipping > 0:
+            combined *= max(1.0, (self._grad_norm + 1e-6) / self.gradient_clipping)
+        if combined != 1.0:
+            torch._foreach_mul_(grads, 1.0 / combined)
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
+        self._step_optimizer()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        self.reducer.zero()
+        self.global_steps += 1
+        return False
+
+    def _master_grad(self, group: FlatGroup) -> torch.Tensor:
+        """The fp32 gradient of ``group``'s master partition (see [Note: one step])."""
+        part = self.reducer.part[group.index]
+        if part is not None:
+            return part if part.dtype == torch.float32 else part.float()
+        full = self.reducer.full[group.index]
+        assert full is not None
+        if not self.config.shard_optimizer_state:
+            return full if full.dtype == torch.float32 else full.float()
+        master = self.masters[group.index]
+        grad = torch.empty_like(master)
+        for unit in group.units:
+            unit.in_partition(grad).copy_(unit.shard(full, self.shard_rank))
+        return grad
+
+    def _step_optimizer(self) -> None:
+        if self._swap is not None:
+            self._swap.swap_in()
+        low: list[torch.Tensor] = []
+        if self._fused_copy:
+            low = [
+                torch.empty_like(m, dtype=g.flat.dtype) for m, g in zip(self.masters, self.groups)
+            ]
+            self.optimizer.step(fp16_param_groups=[[t] for t in low])
+        else:
+            self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        if self._swap is not None:
+            self._swap.swap_out()
+        self._publish(low or None)
+
+    def _publish(self, low: Sequence[torch.Tensor] | None = None) -> None:
+        """Write the masters into the model's parameters, gathering every rank's partition."""
+        if self._master_is_flat:
+            return
+        for i, (group, master) in enumerate(zip(self.groups, self.masters)):
+            flat = group.flat
+            if low is not None:
+                source = low[i].to(device=flat.device, non_blocking=True)
+            else:
+                source = master.to(device=flat.device, dtype=flat.dtype, non_blocking=True)
+            if not self.config.shard_optimizer_state:
+                flat.copy_(source)
+                continue
+            gather_partition(
+                group,
+                source,
+                pg=self.group,
+                rank=self.rank,
+                world_size=self.world_size,
+                bucket_numel=self.config.allgather_bucket_size,
+                use_all_gather=self.config.allgather_partitions,
+            )
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 master partitions from the model's parameters (DeepSpeed's name),
+        e.g. after loading module weights without optimizer state."""
+        if self._master_is_flat:
+            return
+        with torch.no_grad():
+            for group, master in zip(self.groups, self.masters):
+                self._master_from_params(group, master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every gradient (buffers are kept; ``set_to_none`` is accepted for torch parity)."""
+        del set_to_none
+        self.reducer.zero()
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the last step's unscaled gradients before clipping (inf/nan on overflow)."""
+        return self._grad_norm
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's sharded state: its master partition, optimizer state and the layout.
+
+        Save it per rank (or use :func:`~ds_zero.save_sharded_checkpoint`); the list of every
+        rank's state loads on any world size (see [Note: resharding a checkpoint]).
+        """
+        if self._swap is not None:
+            self._swap.swap_in()
+        try:
+            optimizer_state = self.optimizer.state_dict()
+            if self._swap is not None:  # detach from tensors that are about to be freed
+                optimizer_state = _clone_tensors(optimizer_state)
+        finally:
+            if self._swap is not None:
+                self._swap.swap_out()
+        return {
+            "format": FORMAT,
+            "stage": self.config.stage,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_shards": self.num_shards,
+            "dtype": str(self.groups[0].flat.dtype),
+            "layout": [g.describe() for g in self.groups],
+            "masters": [m.detach() for m in self.masters],
+            "optimizer": optimizer_state,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "counters": {
+                "micro_steps": self.micro_steps,
+                "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Restore from this rank's :meth:`state_dict`, or from every saved rank's (any world
+        size, with ``elastic_checkpoint``).
+
+        With ``load_from_fp32_weights`` the model's parameters are rebuilt from the saved fp32
+        masters; otherwise the masters are rebuilt from the model's current parameters (load the
+        model's weights first).
+        """
+        states = [state] if isinstance(state, Mapping) else list(state)
+        masters, optimizer_state, source = resolve_states(
+            states,
+            layouts=[g.describe() for g in self.groups],
+            num_shards=self.num_shards,
+            rank=self.shard_rank,
+            elastic=self.config.elastic_checkpoint,
+        )
+        if self._swap is not None:
+            self._swap.swap_in()
+        self.optimizer.load_state_dict(optimizer_state)
+        if self._swap is not None:
+            self._swap.swap_out()
+        if self.config.load_from_fp32_weights:
+            with torch.no_grad():
+                for master, saved in zip(self.masters, masters):
+                    master.copy_(saved)
+                self._publish()
+        else:
+            self.refresh_fp32_params()
+        if self.loss_scaler is not None and source.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(source["loss_scaler"])
+        counters = source.get("counters", {})
+        self.micro_steps = int(counters.get("micro_steps", 0))
+        self.global_steps = int(counters.get("global_steps", 0))
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self.reducer.zero()
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes this rank holds for parameters, gradients and optimizer state right now.
+
+        Example:
+            >>> zero.memory_breakdown().model_states  # params + grads + optimizer state
+        """
+        params = sum(g.flat.nbytes for g in self.groups)
+        grads, grads_host, staging = self.reducer.nbytes()
+        seen: set[int] = {g.flat.data_ptr() for g in self.groups}
+        optimizer_state = host = 0
+        tensors = list(self.masters)
+        for master in self.masters:
+            tensors += [
+                v for v in self.optimizer.state.get(master, {}).values() if torch.is_tensor(v)
+            ]
+        for t in tensors:
+            if t.data_ptr() in seen or t.numel() <= 1:  # scalars such as Adam's step
+                continue
+            seen.add(t.data_ptr())
+            optimizer_state += t.nbytes
+            if self.config.offload_optimizer.enabled and t.device.type == "cpu":
+                host += t.nbytes
+        return MemoryBreakdown(
+            params=params,
+            grads=grads,
+            optimizer_state=optimizer_state,
+            buffers=staging,
+            host=host + grads_host,
+        )
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    return obj

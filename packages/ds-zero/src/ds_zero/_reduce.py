@@ -1,0 +1,440 @@
+"""Gradient reduction: hooks on gradient accumulation launch one collective per unit of the flat
+layout as soon as its gradients are complete, and land the result where the stage keeps it.
+
+[Note: where gradients live]
+- Stages 0 and 1 keep every gradient in one flat buffer per group (``full``), of the model's
+  dtype, and each ``p.grad`` is a view into it (DDP's ``gradient_as_bucket_view``), so autograd
+  accumulates micro-batches in place and a unit is reduced straight from the buffer. Stage 0
+  all-reduces it; stage 1 reduce-scatters and writes the reduced shard back into its own slice
+  of ``full``, where the step reads it (DeepSpeed's stage 1 holds the full gradients too).
+- Stage 2 keeps only this rank's shard (``part``). A gradient is copied into a staging buffer
+  the moment autograd finishes it and ``p.grad`` is freed (``contiguous_gradients``; otherwise it
+  stays until its unit is reduced and is then flattened into a fresh buffer); the staged unit is
+  reduce-scattered and the shard accumulated into ``part``. No rank holds more than a few
+  units' worth of full gradients at any time.
+- Under ``offload_optimizer``, ``part`` is an fp32 host tensor for stages 1 and 2 (the
+  optimizer reads it there); stage 1 copies its reduced shard there instead of into ``full``.
+
+[Note: when gradients are reduced]
+DeepSpeed's rule: stage 2 reduces in every micro-batch's backward and accumulates into the
+shard; stages 0 and 1 let micro-batches accumulate locally and reduce only in the backward of
+the accumulation boundary. Units are launched in one fixed order (``FlatUnit.order``, the order
+their gradients normally complete in) on every rank, as collectives must be; a unit that is
+complete early waits for the ones before it. Units whose parameters got no gradient are launched
+at the end of backward with zeros for the missing gradients (``ignore_unused_parameters``).
+
+[Note: overlapping reductions with backward]
+With ``overlap_comm`` a unit's collective is issued asynchronously and backward continues; the
+work is waited for when its staging buffer is needed again or at the end of backward, and only
+then is its result accumulated. On CUDA the copy-in, the collective and the accumulation run on
+a side stream that first waits for the compute stream, and the compute stream waits for the
+side stream at the end of backward. On gloo the async work handle is the overlap. Without
+``overlap_comm`` each collective is waited for in the hook that launched it. Gradients are
+divided by the world size before they are summed (exact for powers of two, and fp16 sums
+cannot overflow where the average would not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ds_comm
+from ds_zero._layout import FlatGroup, FlatUnit
+from ds_zero._offload import host_zeros
+from ds_zero.api import ZeroConfig
+
+__all__ = ["GradReducer", "ReduceContext"]
+
+
+@dataclass(frozen=True)
+class ReduceContext:
+    """Where the reduction runs: the data-parallel group and where gradient shards live.
+
+    Attributes:
+        group: data-parallel process group (None: the default group).
+        rank: this rank's index in ``group``.
+        world_size: ranks in ``group``.
+        offload: gradient shards live in host memory as fp32 (``offload_optimizer``).
+        pin_memory: allocate them page-locked (only meaningful with CUDA).
+    """
+
+    group: Any
+    rank: int
+    world_size: int
+    offload: bool = False
+    pin_memory: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A launched collective and what to do once it completes."""
+
+    work: Any
+    finalize: Callable[[], None] | None
+    release: torch.Tensor | None
+
+
+class _StagingPool:
+    """Reusable flat buffers of the largest unit's size (stage 2 with contiguous gradients)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.free: list[torch.Tensor] = []
+        self._bases: dict[tuple[int, int], torch.Tensor] = {}
+        self.allocated = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A buffer's first ``numel`` elements (a view; :meth:`give` it back)."""
+        if not self.free:
+            self.allocated += 1
+            self.free.append(torch.empty(self.numel, dtype=self.dtype, device=self.device))
+        base = self.free.pop()
+        self._bases[base.narrow(0, 0, numel).data_ptr(), numel] = base
+        return base.narrow(0, 0, numel)
+
+    def give(self, view: torch.Tensor) -> None:
+        self.free.append(self._bases.pop((view.data_ptr(), view.numel())))
+
+    @property
+    def nbytes(self) -> int:
+        return self.allocated * self.numel * self.dtype.itemsize
+
+
+class GradReducer:
+    """Owns gradient storage and reduces gradients into it (see [Note: where gradients live]).
+
+    Args:
+        groups: the flat layout.
+        config: the ``zero_optimization`` section (stage flags, buckets, overlap).
+        ctx: the data-parallel group and host placement.
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], config: ZeroConfig, ctx: ReduceContext):
+        self.groups = list(groups)
+        self.config = config
+        self.ctx = ctx
+        self.units = sorted((u for g in self.groups for u in g.units), key=lambda u: u.order)
+        self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
+        ref = self.groups[0].flat
+        self.dtype, self.device = ref.dtype, ref.device
+        self.full: list[torch.Tensor | None] = [None] * len(self.groups)
+        self.part: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._allocate()
+        self._staging: _StagingPool | None = None
+        if config.shard_gradients and config.contiguous_gradients:
+            largest = max(u.padded_numel for u in self.units)
+            self._staging = _StagingPool(largest, self.dtype, self.device)
+        self._staged: dict[int, torch.Tensor] = {}  # unit order -> staging buffer
+        self._arrived: dict[int, list[bool]] = {}
+        self._accumulated = [False] * len(self.units)
+        self._pending = [0] * len(self.units)
+        self._next = 0
+        self._inflight: deque[_InFlight] = deque()
+        self._armed = False
+        self._reducing = False
+        self.unreduced = False  # local gradients accumulated since the last reduction
+        self._stream = None
+        if config.overlap_comm and self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
+        ]
+
+    # --- storage ---------------------------------------------------------------------------------
+
+    def _allocate(self) -> None:
+        for g, group in enumerate(self.groups):
+            if not self.config.shard_gradients:
+                self.full[g] = torch.zeros_like(group.flat)
+            if self.ctx.offload:
+                pin = self.ctx.pin_memory
+                self.part[g] = host_zeros(group.partition_numel, torch.float32, pin_memory=pin)
+            elif self.config.shard_gradients:
+                self.part[g] = torch.zeros(
+                    group.partition_numel, dtype=self.dtype, device=self.device
+                )
+        self._alias_grads()
+
+    def _alias_grads(self) -> None:
+        """Point every ``p.grad`` at its view of ``full`` (stages 0/1), or clear it (stage 2).
+
+        A gradient someone else replaced (``model.zero_grad()`` sets None) is taken over: its
+        view is zeroed, or filled with the replacement, so autograd accumulates into ``full``.
+        """
+        for unit in self.units:
+            full = self.full[unit.group]
+            for i, p in enumerate(unit.params):
+                if full is None:
+                    p.grad = None
+                    continue
+                view, grad = unit.param_view(full, i), p.grad
+                if grad is not None and grad.data_ptr() == view.data_ptr():
+                    continue
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                p.grad = view
+
+    def zero(self) -> None:
+        """Zero every gradient (the start of a new accumulation window)."""
+        self.wait_all()
+        for t in (*self.full, *self.part):
+            if t is not None:
+                t.zero_()
+        self._accumulated = [False] * len(self.units)
+        self.unreduced = False
+        self._alias_grads()
+
+    def nbytes(self) -> tuple[int, int, int]:
+        """``(gradient bytes, of which in host memory, staging buffer bytes)``."""
+        grads = sum(t.nbytes for t in (*self.full, *self.part) if t is not None)
+        host = sum(t.nbytes for t in self.part if t is not None) if self.ctx.offload else 0
+        if self.config.shard_gradients and not self.config.contiguous_gradients:
+            grads += sum(p.grad.nbytes for p in self._where if p.grad is not None)
+        return grads, host, self._staging.nbytes if self._staging is not None else 0
+
+    @property
+    def in_flight(self) -> int:
+        """Collectives launched and not yet waited for (non-zero only with ``overlap_comm``)."""
+        return len(self._inflight)
+
+    # --- a backward pass -------------------------------------------------------------------------
+
+    def begin(self, reduce: bool) -> None:
+        """Arm the hooks for one backward; ``reduce`` says whether this pass reduces."""
+        self._armed, self._reducing = True, reduce
+        self._next = 0
+        if not self.config.shard_gradients:
+            self._alias_grads()
+        if reduce:
+            self._pending = [len(u.params) for u in self.units]
+            self._arrived = {}
+        else:
+            self.unreduced = True
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            raise RuntimeError(
+                "a ZeRO-managed parameter received a gradient outside ZeroOptimizer.backward(); "
+                "call zero_optimizer.backward(loss) instead of loss.backward()"
+            )
+        if not self._reducing:
+            return
+        unit, index = self._where[p]
+        if unit.order < self._next:
+            raise RuntimeError(
+                f"parameter {tuple(p.shape)} got a gradient after its bucket was reduced in this "
+                "backward; ZeRO needs one backward per micro-batch (no retain_graph re-runs)"
+            )
+        if self.config.shard_gradients and self._staging is not None:
+            with self._side_stream():
+                self._stage(unit, index, p)
+        self._pending[unit.order] -= 1
+        while self._next < len(self.units) and self._pending[self._next] == 0:
+            self._launch(self.units[self._next])
+            self._next += 1
+
+    def _stage(self, unit: FlatUnit, index: int, p: torch.Tensor) -> None:
+        """Copy ``p.grad`` into its unit's staging buffer and free it (contiguous gradients)."""
+        buffer = self._staged.get(unit.order)
+        if buffer is None:
+            buffer = self._staged[unit.order] = self._take_staging(unit)
+            self._arrived[unit.order] = [False] * len(unit.params)
+        grad = p.grad
+        assert grad is not None
+        buffer.narrow(0, unit.offsets[index], p.numel()).copy_(grad.reshape(-1))
+        if self._stream is not None:
+            grad.record_stream(self._stream)
+        self._arrived[unit.order][index] = True
+        p.grad = None
+
+    def _take_staging(self, unit: FlatUnit) -> torch.Tensor:
+        assert self._staging is not None
+        while not self._staging.free and self._inflight and self._staging.allocated >= 2:
+            self._wait_oldest()  # double buffering, as DeepSpeed's two ipg buffers
+        buffer = self._staging.take(unit.padded_numel)
+        buffer.narrow(0, unit.numel, unit.padded_numel - unit.numel).zero_()
+        return buffer
+
+    def finish(self) -> None:
+        """End of backward: launch what is left (unused parameters), wait for everything."""
+        if not self._armed:
+            return
+        try:
+            if self._reducing:
+                self._launch_leftovers()
+            self.wait_all()
+            if self._reducing:
+                self.unreduced = False
+        finally:
+            self._armed = self._reducing = False
+
+    def abort(self) -> None:
+        """Backward raised: drop this pass's partial state (gradients are zeroed by the caller)."""
+        with contextlib.suppress(Exception):
+            self.wait_all()
+        for buffer in self._staged.values():
+            self._release(buffer)
+        self._staged.clear()
+        self._armed = self._reducing = False
+
+    def flush(self) -> None:
+        """Reduce local gradients that no backward reduced yet (a step off the boundary)."""
+        if not self.unreduced:
+            return
+        self.begin(reduce=True)
+        self.finish()
+
+    def _launch_leftovers(self) -> None:
+        missing = [
+            p
+            for u in self.units[self._next :]
+            for i, p in enumerate(u.params)
+            if self._is_missing(u, i)
+        ]
+        if missing and not self.config.ignore_unused_parameters:
+            shapes = [tuple(p.shape) for p in missing[:5]]
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) got no gradient in this backward (shapes {shapes}"
+                "...); set zero_optimization.ignore_unused_parameters to true to reduce them as "
+                "zeros, or remove them from the optimizer"
+            )
+        while self._next < len(self.units):
+            self._launch(self.units[self._next])
+            self._next += 1
+
+    def _is_missing(self, unit: FlatUnit, index: int) -> bool:
+        if not self.config.shard_gradients:
+            return False  # the flat buffer holds zeros (or earlier micro-batches) for it
+        if self._staging is not None:
+            arrived = self._arrived.get(unit.order)
+            return arrived is None or not arrived[index]
+        return unit.params[index].grad is None
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _launch(self, unit: FlatUnit) -> None:
+        with self._side_stream():
+            if self.config.shard_gradients:
+                buffer = self._stage_2_input(unit)
+                release = buffer if self._staging is not None else None
+            else:
+                full = self.full[unit.group]
+                assert full is not None
+                buffer, release = unit.full(full), None
+            if self.ctx.world_size > 1:
+                buffer.div_(self.ctx.world_size)
+            work, finalize = self._reduce(unit, buffer)
+        self._inflight.append(_InFlight(work, finalize, release))
+        if not self.config.overlap_comm:
+            self._wait_oldest()
+
+    def _stage_2_input(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's flat gradient, zeros where a parameter got none; frees ``p.grad``."""
+        if self._staging is not None:
+            buffer = self._staged.pop(unit.order, None)
+            if buffer is None:
+                buffer = self._take_staging(unit)
+                self._arrived[unit.order] = [False] * len(unit.params)
+            for i, arrived in enumerate(self._arrived.pop(unit.order)):
+                if not arrived:
+                    buffer.narrow(0, unit.offsets[i], unit.params[i].numel()).zero_()
+            return buffer
+        buffer = torch.zeros(unit.padded_numel, dtype=self.dtype, device=self.device)
+        for i, p in enumerate(unit.params):
+            if p.grad is not None:
+                buffer.narrow(0, unit.offsets[i], p.numel()).copy_(p.grad.reshape(-1))
+                if self._stream is not None:
+                    p.grad.record_stream(self._stream)
+                p.grad = None
+        return buffer
+
+    def _reduce(
+        self, unit: FlatUnit, buffer: torch.Tensor
+    ) -> tuple[Any, Callable[[], None] | None]:
+        """Issue the unit's collective; return its work and the step that lands its result."""
+        ctx, cfg = self.ctx, self.config
+        async_op = cfg.overlap_comm
+        if not cfg.shard_optimizer_state:  # stage 0: the average, in place
+            work = self._all_reduce(buffer, async_op)
+            return work, None
+        own = buffer.view(ctx.world_size, unit.shard_numel)[ctx.rank]
+        if ctx.world_size == 1 or not cfg.reduce_scatter:
+            return self._all_reduce(buffer, async_op), self._landing(unit, own)
+        part = self.part[unit.group]
+        direct = (
+            part is not None
+            and not self._accumulated[unit.order]
+            and part.dtype == buffer.dtype
+            and part.device == buffer.device
+        )
+        if direct:  # first gradient of this window: reduce straight into the shard
+            assert part is not None
+            out = unit.in_partition(part)
+            work = ds_comm.reduce_scatter_tensor(out, buffer, group=ctx.group, async_op=async_op)
+            self._accumulated[unit.order] = True
+            return work, None
+        out = torch.empty(unit.shard_numel, dtype=buffer.dtype, device=buffer.device)
+        work = ds_comm.reduce_scatter_tensor(out, buffer, group=ctx.group, async_op=async_op)
+        return work, self._landing(unit, out)
+
+    def _all_reduce(self, buffer: torch.Tensor, async_op: bool) -> Any:
+        if self.ctx.world_size == 1:
+            return None
+        return ds_comm.all_reduce(buffer, group=self.ctx.group, async_op=async_op)
+
+    def _landing(self, unit: FlatUnit, shard: torch.Tensor) -> Callable[[], None] | None:
+        """Where a reduced shard goes: ``part`` (accumulating) or the own slice of ``full``."""
+        part = self.part[unit.group]
+        if part is None:  # stage 1 without offload
+            full = self.full[unit.group]
+            assert full is not None
+            target = unit.shard(full, self.ctx.rank)
+            if target.data_ptr() == shard.data_ptr():
+                return None
+            return lambda: target.copy_(shard)
+        target = unit.in_partition(part)
+        accumulate = self._accumulated[unit.order]
+        self._accumulated[unit.order] = True
+        if accumulate:
+            return lambda: target.add_(shard.to(device=target.device, dtype=target.dtype))
+        return lambda: target.copy_(shard, non_blocking=target.is_pinned())
+
+    def _wait_oldest(self) -> None:
+        item = self._inflight.popleft()
+        with self._side_stream():
+            if item.work is not None:
+                item.work.wait()
+            if item.finalize is not None:
+                item.finalize()
+            if item.release is not None:
+                self._release(item.release)
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        assert self._staging is not None
+        self._staging.give(buffer)
+
+    def wait_all(self) -> None:
+        """Wait for every launched collective and land its result."""
+        while self._inflight:
+            self._wait_oldest()
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self.ctx.offload and torch.cuda.is_available():
+            torch.cuda.synchronize()  # non-blocking copies into pinned host shards

@@ -1,0 +1,360 @@
+"""Public types of ds-zero: the ``zero_optimization`` config section, memory reports, protocols.
+
+[Note: config keys ds-zero does not implement]
+``ZeroConfig.from_dict`` reads DeepSpeed's whole ``zero_optimization`` section. Keys for stage 3
+(``offload_param``, ``sub_group_size``, ``stage3_*``), ZeRO++ and MiCS are recognised: left at
+their DeepSpeed default they configure nothing in stages 0-2 and are accepted (real configs carry
+them), any other value is a ``ConfigError`` saying the feature is not supported yet. Deprecated
+keys (``cpu_offload``, ...) are errors that name their replacement. Anything else unknown is an
+error with the closest known key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ds_comm import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "MemoryBreakdown",
+    "OffloadOptimizerConfig",
+    "TensorSwapper",
+    "ZeroConfig",
+]
+
+_SECTION = "zero_optimization"
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# Recognised keys that only matter for stage 3, ZeRO++ or MiCS, with DeepSpeed's defaults.
+_NOT_YET_SUPPORTED: dict[str, Any] = {
+    "offload_param": None,
+    "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "param_persistence_threshold": 100_000,
+    "stage3_model_persistence_threshold": sys.maxsize,
+    "model_persistence_threshold": sys.maxsize,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "max_reuse_distance": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False,
+    "gather_16bit_weights_on_model_save": False,
+    "stage3_gather_fp16_weights_on_model_save": False,
+    "stage3_module_granularity_threshold": 0,
+    "module_granularity_threshold": 0,
+    "stage3_use_all_reduce_for_fetch_params": False,
+    "use_all_reduce_for_fetch_params": False,
+    "memory_efficient_linear": True,
+    "override_module_apply": True,
+    "pipeline_loading_checkpoint": False,
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "zeropp_loco_param": None,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+    "legacy_stage1": False,
+    "log_trace_cache_warnings": False,
+}
+_DEPRECATED = {
+    "cpu_offload": 'offload_optimizer: {"device": "cpu"}',
+    "cpu_offload_param": 'offload_param: {"device": "cpu"} (stage 3)',
+    "cpu_offload_use_pin_memory": 'offload_optimizer: {"pin_memory": true}',
+}
+
+
+def _check_keys(where: str, section: Mapping[str, Any], known: set[str]) -> None:
+    for key in section:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
+        raise ConfigError(f"{where}.{key} is not a known key{hint}")
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} = {value!r}: expected true or false")
+    return value
+
+
+def _count(where: str, value: Any, *, minimum: int) -> int:
+    """An integer (``5e8`` is accepted: JSON configs write bucket sizes that way)."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < minimum:
+        raise ConfigError(f"{where} = {value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: ZeRO-Offload of the optimizer (stages 1 and 2).
+
+    Attributes:
+        device: ``"none"``, ``"cpu"`` (fp32 partitions, gradients and optimizer state in host
+            memory, stepped on the CPU) or ``"nvme"`` (as cpu, with optimizer state swapped to
+            ``nvme_path`` between steps through a :class:`TensorSwapper`).
+        nvme_path: directory for swapped optimizer state; required with ``device="nvme"``.
+        buffer_count: swap buffers in the pool (DeepSpeed: at least the optimizer's states per
+            parameter); handed to the swapper.
+        pin_memory: page-locked host buffers (faster host-device copies; CUDA only).
+        pipeline_read: overlap reading the next tile with the step (ZeRO-Infinity); recorded.
+        pipeline_write: overlap writing the previous tile with the step; recorded.
+        fast_init: skip the initial swap-out of zero state (nvme).
+        ratio: fraction of optimizer state offloaded; below 1.0 is stage 3 only in DeepSpeed.
+    """
+
+    device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        where = f"{_SECTION}.offload_optimizer"
+        if self.device not in _OFFLOAD_DEVICES:
+            raise ConfigError(
+                f"{where}.device = {self.device!r}: expected one of {list(_OFFLOAD_DEVICES)}"
+            )
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                f'{where}.nvme_path = {self.nvme_path!r}: device "nvme" needs a directory on the '
+                "NVMe drive, e.g. /local_nvme"
+            )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            object.__setattr__(self, "nvme_path", str(self.nvme_path))
+        object.__setattr__(
+            self, "buffer_count", _count(f"{where}.buffer_count", self.buffer_count, minimum=0)
+        )
+        for name in ("pin_memory", "pipeline_read", "pipeline_write", "fast_init"):
+            _bool(f"{where}.{name}", getattr(self, name))
+        ratio = self.ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise ConfigError(f"{where}.ratio = {ratio!r}: expected a number in [0, 1]")
+        if ratio < 1:
+            raise ConfigError(
+                f"{where}.ratio = {ratio!r}: partial offload is a ZeRO stage 3 feature (not "
+                "supported yet); use 1.0"
+            )
+        object.__setattr__(self, "ratio", float(ratio))
+
+    @property
+    def enabled(self) -> bool:
+        """True when the optimizer step runs on the host (``device`` is cpu or nvme)."""
+        return self.device != "none"
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> OffloadOptimizerConfig:
+        """Build from the JSON ``offload_optimizer`` mapping (``None`` means no offload)."""
+        section = dict(section or {})
+        _check_keys(f"{_SECTION}.offload_optimizer", section, {f.name for f in fields(cls)})
+        return cls(**section)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """The ``zero_optimization`` config section, with DeepSpeed's key names and defaults.
+
+    A stage is a pair of flags, not a class: :attr:`shard_optimizer_state` (stage >= 1) and
+    :attr:`shard_gradients` (stage >= 2). Bucket sizes count elements, as in DeepSpeed.
+
+    Attributes:
+        stage: 0 (data parallel), 1 (optimizer state sharded) or 2 (and gradients).
+        contiguous_gradients: stage 2: copy each gradient into a preallocated bucket buffer as
+            soon as it is produced, and free it (stages 0/1 always keep gradients in one flat
+            buffer).
+        reduce_scatter: reduce gradients with reduce-scatter (each rank receives its shard)
+            instead of all-reduce (every rank receives everything and keeps its shard).
+        reduce_bucket_size: elements per gradient reduction bucket.
+        allgather_partitions: re-assemble updated parameters with all-gather (else one
+            broadcast per rank).
+        allgather_bucket_size: elements gathered per all-gather after the step.
+        overlap_comm: run gradient reductions asynchronously while backward continues (a side
+            stream on CUDA, async work handles on gloo). DeepSpeed's default is stage == 3.
+        round_robin_gradients: DeepSpeed's parallel gradient copy to CPU under offload; each
+            rank already copies only its own shard here, so it changes nothing.
+        offload_optimizer: see :class:`OffloadOptimizerConfig`.
+        elastic_checkpoint: allow loading a sharded checkpoint saved with another data-parallel
+            world size (re-partitioning it).
+        load_from_fp32_weights: restore fp32 master weights from the checkpoint's fp32
+            partitions (else from the model's low-precision weights, losing precision).
+        ignore_unused_parameters: parameters that get no gradient in a backward are reduced as
+            zeros; when False they are an error.
+        use_multi_rank_bucket_allreduce: accepted for compatibility; reductions are always one
+            collective per bucket here.
+    """
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None
+    round_robin_gradients: bool = False
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    elastic_checkpoint: bool = False
+    load_from_fp32_weights: bool = True
+    ignore_unused_parameters: bool = True
+    use_multi_rank_bucket_allreduce: bool = True
+
+    def __post_init__(self) -> None:
+        stage = self.stage
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{_SECTION}.stage = {stage!r}: expected 0, 1 or 2")
+        if stage == 3:
+            raise ConfigError(
+                f"{_SECTION}.stage = 3: parameter partitioning lands with ds-zero part 2 and is "
+                "not supported yet; use stage 2"
+            )
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            value = _count(f"{_SECTION}.{name}", getattr(self, name), minimum=1)
+            object.__setattr__(self, name, value)
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", False)  # DeepSpeed: True only for stage 3
+        for f in fields(self):
+            if f.type in ("bool", "bool | None"):
+                _bool(f"{_SECTION}.{f.name}", getattr(self, f.name))
+        offload = self.offload_optimizer
+        if offload is None or isinstance(offload, Mapping):
+            offload = OffloadOptimizerConfig.from_dict(offload)
+            object.__setattr__(self, "offload_optimizer", offload)
+        if not isinstance(offload, OffloadOptimizerConfig):
+            raise ConfigError(
+                f"{_SECTION}.offload_optimizer = {offload!r}: expected a mapping such as "
+                '{"device": "cpu"}'
+            )
+        if offload.enabled and stage == 0:
+            raise ConfigError(
+                f'{_SECTION}.offload_optimizer.device = "{offload.device}" needs stage 1 or 2 '
+                "(ZeRO-Offload steps each rank's optimizer partition); set stage to 1 or 2"
+            )
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Each rank keeps fp32 master weights and optimizer state only for its partition."""
+        return self.stage >= 1
+
+    @property
+    def shard_gradients(self) -> bool:
+        """Gradients are reduce-scattered during every backward; each rank keeps its shard."""
+        return self.stage >= 2
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> ZeroConfig:
+        """Build from the JSON ``zero_optimization`` section (see [Note: config keys ds-zero
+        does not implement]).
+
+        Example:
+            >>> ZeroConfig.from_dict({"stage": 2, "overlap_comm": True}).shard_gradients
+            True
+        """
+        section = dict(section or {})
+        own = {f.name for f in fields(cls)}
+        _check_keys(_SECTION, section, own | set(_NOT_YET_SUPPORTED) | set(_DEPRECATED))
+        for key, value in list(section.items()):
+            if key in _DEPRECATED:
+                if value in (None, False):
+                    del section[key]
+                    continue
+                raise ConfigError(
+                    f"{_SECTION}.{key} is deprecated (DeepSpeed too); write {_DEPRECATED[key]}"
+                )
+            if key in _NOT_YET_SUPPORTED:
+                _check_not_yet_supported(key, value)
+                del section[key]
+        return cls(**section)
+
+
+def _check_not_yet_supported(key: str, value: Any) -> None:
+    default = _NOT_YET_SUPPORTED[key]
+    if key == "offload_param" and isinstance(value, Mapping):
+        value = None if value.get("device", "none") == "none" else value
+    if isinstance(default, bool) or default is None:
+        is_default = value is default
+    else:
+        is_default = not isinstance(value, bool) and value == default
+    if not is_default:
+        raise ConfigError(
+            f"{_SECTION}.{key} = {value!r}: a ZeRO stage 3 / ZeRO++ / MiCS key, not supported "
+            f"yet (stages 0-2 only); remove it or leave it at DeepSpeed's default {default!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes one rank holds for model states (see ``ZeroOptimizer.memory_breakdown``).
+
+    Attributes:
+        params: the model's parameters (low precision, full, incl. alignment padding).
+        grads: gradients: the full flat buffer (stages 0/1) or this rank's shard (stage 2),
+            plus the host fp32 gradient partition under offload.
+        optimizer_state: fp32 master partition (unless it is the model's own fp32 storage)
+            plus the optimizer's state tensors (Adam: exp_avg, exp_avg_sq).
+        buffers: communication staging buffers allocated right now (not model state).
+        host: the part of ``grads + optimizer_state`` placed in host memory by offload.
+    """
+
+    params: int
+    grads: int
+    optimizer_state: int
+    buffers: int = 0
+    host: int = 0
+
+    @property
+    def model_states(self) -> int:
+        """``params + grads + optimizer_state``: what the ZeRO paper calls model states."""
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        """Model states plus communication buffers."""
+        return self.model_states + self.buffers
+
+
+@runtime_checkable
+class TensorSwapper(Protocol):
+    """Moves tensors to and from files on fast storage: ds-offload-aio's ``AsyncTensorSwapper``.
+
+    ds-zero writes each optimizer-state tensor to its own file after a step and frees it, and
+    before the next step allocates it again and reads it back. Paths are stable across steps
+    and unique per rank.
+    """
+
+    def swap_out(
+        self,
+        tensors: Sequence[torch.Tensor],
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        async_op: bool = False,
+    ) -> None:
+        """Write each tensor to its path; the tensors may be freed once this returns."""
+        ...
+
+    def swap_in(
+        self,
+        tensors: Sequence[torch.Tensor],
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        async_op: bool = False,
+    ) -> None:
+        """Read each path into its tensor (with ``async_op``, complete after :meth:`wait`)."""
+        ...
+
+    def wait(self) -> Any:
+        """Complete every transfer in flight."""
+        ...
