@@ -225,7 +225,8 @@ def save_sharded_checkpoint(
     Args:
         path: the checkpoint directory (replaced if it exists).
         optimizer: the :class:`~ds_zero.ZeroOptimizer` to save.
-        client_state: anything else to keep (saved once, by rank 0).
+        client_state: anything else to keep (saved once, by rank 0): tensors and plain Python
+            values only, since loading never unpickles code (``weights_only=True``).
 
     Returns:
         The checkpoint directory.
@@ -306,4 +307,4 @@ def load_sharded_checkpoint(
         ]
     optimizer.load_state_dict(states)
     client = source / _CLIENT
-    return torch.load(client, map_location="cpu", weights_only=False) if client.exists() else None
+    return torch.load(client, map_location="cpu", weights_only=True) if client.exists() else None

@@ -1,0 +1,264 @@
+"""Engine checkpoints in DeepSpeed's layout, written atomically and loaded without running code.
+
+[Note: checkpoint layout and crash safety]
+``save_dir/<tag>/`` holds ``mp_rank_<mp>_model_states.pt`` (the module's state dict, the engine's
+counters, LR schedule, loader position and the client state; written by the first
+data-parallel rank of each model-parallel slice), ``rng_state_rank<r>.pt`` (every rank's RNG
+states) and ``zero/`` (or ``zero_mp<mp>/``), ds-zero's sharded optimizer checkpoint.
+``save_dir/latest`` names the newest tag. Every file is written under ``save_dir/.<tag>.partial``
+first; after a barrier global rank 0 renames that directory to ``<tag>`` (moving an older one of
+that name aside) and only then replaces ``latest`` through a temporary file and a rename. A rank
+killed at any point leaves ``latest`` naming a complete checkpoint.
+
+[Note: weights-only checkpoints]
+Everything is loaded with ``torch.load(weights_only=True)``: a file can hold tensors and plain
+Python values only, so opening a checkpoint from an untrusted source runs no code. The client
+state is therefore checked at save time: anything else (a module, an optimizer, a custom
+object) is an error naming where it sits.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import ds_comm
+from ds_engine import __version__
+from ds_zero import ZeroOptimizer, load_sharded_checkpoint, save_sharded_checkpoint
+
+if TYPE_CHECKING:
+    from ds_engine._engine import DeepSpeedEngine
+
+__all__ = ["check_client_state", "load_checkpoint", "save_checkpoint"]
+
+_LATEST = "latest"
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.Size)
+
+
+def check_client_state(value: Any, where: str = "client_state") -> None:
+    """Raise TypeError unless ``value`` is tensors and plain values (see [Note: weights-only
+    checkpoints])."""
+    if isinstance(value, _PLAIN) or torch.is_tensor(value):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_client_state(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise TypeError(f"{where} has a key {key!r} of type {type(key).__name__}")
+            check_client_state(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}: checkpoints hold "
+        "only tensors and plain Python values (loading never runs code); save its state_dict()"
+    )
+
+
+def _barrier() -> None:
+    if ds_comm.is_initialized():
+        ds_comm.barrier()
+
+
+def _check_same_tag(tag: str) -> None:
+    """Every rank must save under the same tag: compare a checksum over all ranks."""
+    if not ds_comm.is_initialized() or ds_comm.get_world_size() == 1:
+        return
+    mine = zlib.crc32(tag.encode())
+    low = torch.tensor([mine], dtype=torch.int64)
+    high = low.clone()
+    ds_comm.all_reduce(low, op=ds_comm.ReduceOp.MIN)
+    ds_comm.all_reduce(high, op=ds_comm.ReduceOp.MAX)
+    if low.item() != high.item():
+        raise ValueError(f"checkpoint tag {tag!r} differs between ranks; pass the same tag on all")
+
+
+def _rng_state() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(state), gauss],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        rng["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    return rng
+
+
+def _set_rng_state(rng: Mapping[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "numpy" in rng and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def _mp_rank(engine: DeepSpeedEngine) -> int:
+    return engine.mpu.get_model_parallel_rank() if engine.mpu is not None else 0
+
+
+def _module_state(engine: DeepSpeedEngine, exclude_frozen: bool) -> dict[str, Any]:
+    state = engine.module.state_dict()
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    return state
+
+
+def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], exclude_frozen: bool):
+    loader = engine.training_dataloader
+    return {
+        "module": _module_state(engine, exclude_frozen),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "data_loader": loader.state_dict() if loader is not None else None,
+        "dp_world_size": engine.dp_world_size,
+        "ds_version": __version__,
+        "client_state": dict(client_state),
+    }
+
+
+def _write(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(partial: Path, target: Path) -> None:
+    aside = target.with_name(f".{target.name}.old")
+    shutil.rmtree(aside, ignore_errors=True)
+    if target.exists():
+        target.rename(aside)
+    partial.rename(target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    temp = save_dir / f".{_LATEST}.tmp"
+    temp.write_text(tag)
+    os.replace(temp, save_dir / _LATEST)
+
+
+def save_checkpoint(
+    engine: DeepSpeedEngine,
+    save_dir: str | os.PathLike[str],
+    *,
+    tag: str | None,
+    client_state: Mapping[str, Any],
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+) -> Path:
+    """Save the engine to ``save_dir/tag`` (see [Note: checkpoint layout and crash safety])."""
+    check_client_state(dict(client_state))
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    _check_same_tag(tag)
+    root = Path(save_dir)
+    partial, target = root / f".{tag}.partial", root / tag
+    rank, mp = engine.global_rank, _mp_rank(engine)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    state = _engine_state(engine, client_state, exclude_frozen_parameters)
+    _write(_rng_state(), partial / _rng_file(rank))
+    if engine.dp_rank == 0:
+        _write(state, partial / f"mp_rank_{mp:02d}_model_states.pt")
+    optimizer = engine.optimizer
+    if isinstance(optimizer, ZeroOptimizer):
+        save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
+    elif optimizer is not None and engine.dp_rank == 0:
+        _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
+    _barrier()
+    if rank == 0:
+        _replace(partial, target)
+        if save_latest:
+            _write_latest(root, tag)
+    _barrier()
+    return target
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng_state_rank{rank:05d}.pt"
+
+
+def _zero_dir(engine: DeepSpeedEngine) -> str:
+    return "zero" if engine.mpu is None else f"zero_mp{_mp_rank(engine):02d}"
+
+
+def _resolve_tag(root: Path, tag: str | None) -> str | None:
+    if tag is not None:
+        return str(tag)
+    latest = root / _LATEST
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def _refresh_masters(optimizer: ZeroOptimizer) -> None:
+    """Rebuild the fp32 masters from the freshly loaded module weights."""
+    optimizer.refresh_fp32_params()
+
+
+def load_checkpoint(
+    engine: DeepSpeedEngine,
+    load_dir: str | os.PathLike[str],
+    *,
+    tag: str | None,
+    strict: bool,
+    optimizer_states: bool,
+    lr_scheduler_states: bool,
+    module_only: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a checkpoint written by :func:`save_checkpoint` (weights only, never code)."""
+    root = Path(load_dir)
+    resolved = _resolve_tag(root, tag)
+    if resolved is None:
+        engine.progress.write(f"no 'latest' file in {root}: nothing to load")
+        return None, None
+    path = root / resolved
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (tag {resolved!r})")
+    _check_same_tag(resolved)
+    model_file = path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
+    state = torch.load(model_file, map_location="cpu", weights_only=True)
+    engine.module.load_state_dict(state["module"], strict=strict)
+    optimizer = engine.optimizer
+    if optimizer_states and isinstance(optimizer, ZeroOptimizer):
+        load_sharded_checkpoint(path / _zero_dir(engine), optimizer)
+    elif optimizer_states and optimizer is not None:
+        optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
+        optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))
+    elif isinstance(optimizer, ZeroOptimizer):
+        _refresh_masters(optimizer)
+    if module_only:
+        return str(path), state["client_state"]
+    if lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"]:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = int(state["global_steps"])
+    engine.global_samples = int(state["global_samples"])
+    engine.micro_steps = int(state["micro_steps"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    if engine.training_dataloader is not None and state["data_loader"] is not None:
+        engine.training_dataloader.load_state_dict(state["data_loader"])
+    rng_file = path / _rng_file(engine.global_rank)
+    if rng_file.is_file():  # absent when loading on more ranks than saved
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    return str(path), state["client_state"]

@@ -1,0 +1,411 @@
+"""``DeepSpeedEngine``: a module, its optimizer and schedule, trained as a DeepSpeed config says.
+
+[Note: what the engine adds to ds-zero]
+``ds_zero.ZeroOptimizer`` owns gradients, reductions, loss scaling, clipping and the optimizer
+step for stages 0-2. The engine adds what DeepSpeed users expect around it: casting the model to
+fp16/bf16, building the optimizer and LR schedule from the config (or taking the client's),
+counting micro-batches (``step()`` is called after every micro-batch and only steps at the
+accumulation boundary), stepping the schedule only on steps that were not skipped for overflow,
+the data loader, checkpoints and what rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import ds_comm
+from ds_engine._loader import DeepSpeedDataLoader
+from ds_engine._local_step import SelfReducingStep
+from ds_engine._progress import Progress, Timers, numerics_table
+from ds_engine.api import ConfigError, DeepSpeedConfig
+from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
+from ds_zero import MemoryBreakdown, ZeroOptimizer
+
+__all__ = ["DeepSpeedEngine"]
+
+_LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dp_group_of(mpu: Any) -> tuple[Any, int, int]:
+    """The data-parallel group (None: the default one), this rank's index in it and its size."""
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    if not ds_comm.is_initialized():
+        return group, 0, 1
+    return group, ds_comm.get_rank(group), ds_comm.get_world_size(group)
+
+
+class DeepSpeedEngine(nn.Module):
+    """Trains ``model`` as ``config`` says (see [Note: what the engine adds to ds-zero]).
+
+    Build it with :func:`ds_engine.initialize`. The loop is DeepSpeed's::
+
+        for batch in engine.training_dataloader:
+            loss = engine(batch)
+            engine.backward(loss)
+            engine.step()
+
+    Attributes:
+        module: the wrapped model.
+        optimizer: the ZeRO optimizer (or the 1-bit optimizer's step wrapper).
+        lr_scheduler: the LR schedule, stepped once per optimizer step (None: constant).
+        training_dataloader: the loader over ``training_data`` (None when none was given).
+        global_steps: optimizer steps taken, including ones skipped for fp16 overflow.
+        global_samples: samples consumed by those steps over all data-parallel ranks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DeepSpeedConfig,
+        *,
+        optimizer: Any = None,
+        model_parameters: Iterable[Any] | None = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+        training_data: Any = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.mpu = mpu
+        self.dp_group, self.dp_rank, self.dp_world_size = _dp_group_of(mpu)
+        self.global_rank = ds_comm.get_rank() if ds_comm.is_initialized() else 0
+        if config.comms_logger.enabled:
+            ds_comm.configure(config.comms_logger)
+        low = _LOW.get(config.param_dtype_name)
+        if low is not None:
+            model.to(low)
+        client = self._build_client_optimizer(optimizer, model_parameters)
+        self.self_reducing = bool(getattr(client, "reduces_gradients", False))
+        self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
+        self.optimizer: Any = self._wrap(client) if client is not None else None
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary: bool | None = None
+        self._losses: list[torch.Tensor] = []
+        self.timers = Timers(config.wall_clock_breakdown)
+        self.progress = Progress(rank=self.global_rank, steps_per_print=config.steps_per_print)
+        self.training_dataloader: DeepSpeedDataLoader | None = None
+        if training_data is not None:
+            self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
+        self.progress.write(numerics_table(config, self_reducing=self.self_reducing))
+
+    # --- construction ----------------------------------------------------------------------------
+
+    def _build_client_optimizer(self, optimizer: Any, model_parameters: Any) -> Any:
+        params = model_parameters if model_parameters is not None else self.module.parameters()
+        section = self.config.optimizer
+        if optimizer is not None and section is not None:
+            raise ConfigError(
+                "optimizer: both a client optimizer and an 'optimizer' config section were "
+                "given; remove one of them"
+            )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        if section is None:
+            return None
+        return build_optimizer(
+            section,
+            params,
+            offload=self.config.zero_optimization.offload_optimizer.enabled,
+            group=self.dp_group,
+        )
+
+    def _wrap(self, client: torch.optim.Optimizer) -> Any:
+        config = self.config
+        if self.self_reducing:
+            if config.zero_optimization.stage != 0:
+                raise ConfigError(
+                    f"zero_optimization.stage = {config.zero_optimization.stage}: "
+                    f"{type(client).__name__} reduces its own gradients and needs stage 0"
+                )
+            return SelfReducingStep(
+                self.module,
+                client,
+                group=self.dp_group,
+                loss_scaler=self.loss_scaler,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+            )
+        mp_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
+        if mp_size > 1 and config.gradient_clipping > 0:
+            # ds-zero takes the gradient norm over the data-parallel group only; clipping each
+            # model-parallel shard by its own norm would make replicated parameters diverge.
+            raise ConfigError(
+                f"gradient_clipping = {config.gradient_clipping:g} with a model-parallel mpu "
+                f"(size {mp_size}) is not supported yet: the global norm would need the "
+                "model-parallel group too; set gradient_clipping to 0"
+            )
+        return ZeroOptimizer(
+            self.module,
+            client,
+            config.zero_optimization,
+            group=self.dp_group,
+            loss_scaler=self.loss_scaler,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            gradient_clipping=config.gradient_clipping,
+        )
+
+    def _build_scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is not None and self.config.scheduler is not None:
+            raise ConfigError(
+                "scheduler: both a client lr_scheduler and a 'scheduler' config section were "
+                "given; remove one of them"
+            )
+        if self.optimizer is None:
+            return None
+        torch_optimizer = self.optimizer.optimizer
+        if lr_scheduler is not None:
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                return lr_scheduler(torch_optimizer)
+            return lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        return build_lr_scheduler(self.config.scheduler, torch_optimizer)
+
+    # --- config accessors (DeepSpeed's names) ------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward/backward on one rank."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0: plain data parallelism)."""
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        """True when training in fp16 with loss scaling."""
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """True when training in bf16."""
+        return self.config.bf16.enabled
+
+    # --- training --------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module (floating-point inputs cast to fp16 with ``fp16.auto_cast``)."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            inputs = tuple(_to_half(x) for x in inputs)
+            kwargs = {k: _to_half(v) for k, v in kwargs.items()}
+        with self.timers("forward"):
+            return self.module(*inputs, **kwargs)
+
+    def _require_optimizer(self) -> Any:
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this engine has no optimizer: pass optimizer= to initialize() or add an "
+                "'optimizer' section to the config"
+            )
+        return self.optimizer
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by the accumulation steps unless ``scale_wrt_gas`` is
+        False), with the fp16 loss scale, and reduce gradients when due."""
+        optimizer = self._require_optimizer()
+        self._losses.append(loss.detach())
+        if not scale_wrt_gas:
+            loss = loss * self.config.gradient_accumulation_steps
+        with self.timers("backward"):
+            optimizer.backward(loss, retain_graph=retain_graph)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation window."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the boundary (pipeline schedules); None returns to counting micro-batches."""
+        self._boundary = is_boundary
+        if self.optimizer is not None:
+            self.optimizer.set_gradient_accumulation_boundary(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally without reducing (stages 0 and 1).
+
+        Example:
+            >>> with engine.no_sync():
+            ...     engine.backward(engine(batch_a))
+            >>> engine.backward(engine(batch_b))  # reduces both
+        """
+        if self.config.zero_optimization.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
+                "stage 2 reduces every micro-batch into its gradient shard (as in DeepSpeed)"
+            )
+        optimizer = self._require_optimizer()
+        previous = optimizer.boundary_override
+        optimizer.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            optimizer.set_gradient_accumulation_boundary(previous)
+
+    def step(self) -> None:
+        """Call after every ``backward``: steps the optimizer and the LR schedule at the
+        accumulation boundary (the schedule not on steps skipped for fp16 overflow)."""
+        optimizer = self._require_optimizer()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        before = (optimizer.global_steps, optimizer.skipped_steps)
+        with self.timers("step"):
+            optimizer.step()
+        stepped = optimizer.global_steps != before[0]
+        skipped = optimizer.skipped_steps != before[1]
+        if not (stepped or skipped):
+            return
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        if skipped:
+            self.skipped_steps += 1
+            self.progress.write(
+                f"step {self.global_steps}: fp16 gradient overflow, step skipped on all ranks; "
+                f"loss scale -> {optimizer.loss_scale:g}"
+            )
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._report()
+
+    def _report(self) -> None:
+        loss = None
+        if self._losses:
+            loss = float(torch.stack([x.float() for x in self._losses]).mean())
+            self._losses.clear()
+        printing = self.global_steps % self.config.steps_per_print == 0
+        timers = self.timers.summary(self.config.steps_per_print) if printing else ""
+        lr = self.get_lr()
+        self.progress.update(
+            step=self.global_steps,
+            samples=self.global_samples,
+            loss=loss,
+            lr=lr[0] if lr else 0.0,
+            timers=timers,
+        )
+        if self.config.memory_breakdown and printing:
+            self.progress.write(f"memory: {self.memory_breakdown()}")
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group."""
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: Adam's ``betas`` or SGD's ``momentum``."""
+        if self.optimizer is None:
+            return []
+        groups = self.optimizer.optimizer.param_groups
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the last step's unscaled gradients before clipping."""
+        return self.optimizer.get_global_grad_norm() if self.optimizer is not None else None
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes this rank holds for parameters, gradients and optimizer state (ds-zero's)."""
+        optimizer = self._require_optimizer()
+        if isinstance(optimizer, SelfReducingStep):
+            params = sum(p.nbytes for p in self.module.parameters())
+            state = optimizer.optimizer.state.values()
+            states = sum(v.nbytes for s in state for v in s.values() if torch.is_tensor(v))
+            grads = sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
+            return MemoryBreakdown(params=params, grads=grads, optimizer_state=states)
+        return optimizer.memory_breakdown()
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> DeepSpeedDataLoader:
+        """A loader of micro-batches over a DistributedSampler of the data-parallel ranks."""
+        return DeepSpeedDataLoader(
+            dataset,
+            batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            collate_fn=collate_fn,
+            seed=self.config.seed if self.config.seed is not None else 0,
+            num_workers=num_local_io_workers or 0,
+        )
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save to ``save_dir/tag`` atomically (see ``ds_engine._checkpoint``); returns True."""
+        from ds_engine._checkpoint import save_checkpoint
+
+        save_checkpoint(
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state or {},
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load ``load_dir/tag`` (``tag`` None: the one named in ``latest``).
+
+        Returns:
+            ``(load_path, client_state)``, or ``(None, None)`` when there is nothing to load.
+        """
+        from ds_engine._checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            strict=load_module_strict,
+            optimizer_states=load_optimizer_states and not load_module_only,
+            lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only,
+        )
+
+
+def _to_half(value: Any) -> Any:
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.half()
+    return value

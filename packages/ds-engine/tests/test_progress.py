@@ -1,0 +1,83 @@
+"""What rank 0 prints: the numerics contract, ``steps_per_print`` lines with loss, LR and
+samples/s, and ``wall_clock_breakdown`` timings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_testing import config, loss_of, make_dataset, make_mlp
+
+from ds_engine import DeepSpeedConfig, numerics_table
+from ds_engine._progress import Progress
+
+
+def test_numerics_contract_names_every_dtype_and_the_reduction_order() -> None:
+    cfg = DeepSpeedConfig.from_dict(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 4,
+            "fp16": {"enabled": True, "initial_scale_power": 12},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        },
+        dp_world_size=2,
+    )
+    table = numerics_table(cfg)
+    for row in (
+        "parameters             float16",
+        "gradient accumulation  float16, 4 micro-batches",
+        "reductions             float16 over 2 data-parallel ranks",
+        "master weights         float32 (host, offloaded)",
+        "loss scaling           dynamic (2**12",
+        "reduce-scatter per bucket every micro-batch",
+    ):
+        assert row in table
+    plain = numerics_table(DeepSpeedConfig.from_dict({"train_batch_size": 4}))
+    assert "float32 (the parameters themselves)" in plain and "loss scaling           none" in plain
+
+
+def test_progress_prints_every_steps_per_print_on_rank_zero_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shown = Progress(rank=0, steps_per_print=2, interactive=False)
+    hidden = Progress(rank=1, steps_per_print=2, interactive=False)
+    for step in range(1, 5):
+        for progress in (shown, hidden):
+            progress.update(step=step, samples=8 * step, loss=1.0 / step, lr=1e-3, timers="")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"]
+    assert "loss=0.5000" in lines[0] and "lr=0.001" in lines[0] and "samples/s=" in lines[0]
+
+
+def _logging_body(rank: int, world_size: int) -> str:
+    import contextlib
+    import io
+
+    import ds_engine
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cfg = config(steps_per_print=2, wall_clock_breakdown=True)
+        engine, *_ = ds_engine.initialize(model=make_mlp(), config=cfg)
+        data = make_dataset(16)
+        for step in range(4):
+            engine.backward(loss_of(engine, [t[4 * step : 4 * step + 4] for t in data.tensors]))
+            engine.step()
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_engine_logs_contract_progress_and_timings(world_size: int) -> None:
+    outputs = run_on_ranks(_logging_body, world_size)
+    text = outputs[0]
+    assert text.startswith("numerics contract")
+    step_lines = [line for line in text.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 2
+    for part in ("loss=", "lr=", "samples/s=", "forward:", "backward:", "step:"):
+        assert part in step_lines[1]
+    assert all(out == "" for out in outputs[1:])
