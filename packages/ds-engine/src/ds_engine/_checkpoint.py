@@ -32,6 +32,7 @@ import torch
 
 import ds_comm
 from ds_engine import __version__
+from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import ZeroOptimizer, load_sharded_checkpoint, save_sharded_checkpoint
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def _mp_rank(engine: DeepSpeedEngine) -> int:
 
 
 def _module_state(engine: DeepSpeedEngine, exclude_frozen: bool) -> dict[str, Any]:
-    state = engine.module.state_dict()
+    state = module_state(engine.module, engine.module.state_dict(), engine.expert_groups)
     if exclude_frozen:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}
@@ -183,6 +184,7 @@ def save_checkpoint(
     _write(_rng_state(), partial / _rng_file(rank))
     if engine.dp_rank == 0:
         _write(state, partial / f"mp_rank_{mp:02d}_model_states.pt")
+    save_expert_files(engine.module, partial, engine.expert_groups)
     optimizer = engine.optimizer
     if isinstance(optimizer, ZeroOptimizer):
         save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
@@ -239,7 +241,7 @@ def load_checkpoint(
     _check_same_tag(resolved)
     model_file = path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
     state = torch.load(model_file, map_location="cpu", weights_only=True)
-    engine.module.load_state_dict(state["module"], strict=strict)
+    load_module_state(engine.module, path, state["module"], engine.expert_groups, strict)
     optimizer = engine.optimizer
     if optimizer_states and isinstance(optimizer, ZeroOptimizer):
         load_sharded_checkpoint(path / _zero_dir(engine), optimizer)

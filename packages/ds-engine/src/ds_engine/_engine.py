@@ -21,6 +21,8 @@ from torch import nn
 import ds_comm
 from ds_engine._loader import DeepSpeedDataLoader
 from ds_engine._local_step import SelfReducingStep
+from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
+from ds_engine._nvme import nvme_swapper
 from ds_engine._progress import Progress, Timers, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
@@ -53,6 +55,8 @@ class DeepSpeedEngine(nn.Module):
         module: the wrapped model.
         optimizer: the ZeRO optimizer (or the 1-bit optimizer's step wrapper).
         lr_scheduler: the LR schedule, stepped once per optimizer step (None: constant).
+        expert_groups: ds-moe's process groups of the model's MoE layers (None without any;
+            see [Note: MoE under the engine]).
         training_dataloader: the loader over ``training_data`` (None when none was given).
         global_steps: optimizer steps taken, including ones skipped for fp16 overflow.
         global_samples: samples consumed by those steps over all data-parallel ranks.
@@ -81,6 +85,7 @@ class DeepSpeedEngine(nn.Module):
         low = _LOW.get(config.param_dtype_name)
         if low is not None:
             model.to(low)
+        self.expert_groups = configure_experts(model, mpu)
         client = self._build_client_optimizer(optimizer, model_parameters)
         self.self_reducing = bool(getattr(client, "reduces_gradients", False))
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
@@ -103,6 +108,8 @@ class DeepSpeedEngine(nn.Module):
 
     def _build_client_optimizer(self, optimizer: Any, model_parameters: Any) -> Any:
         params = model_parameters if model_parameters is not None else self.module.parameters()
+        if self.expert_groups is not None:
+            params = moe_param_groups(params)
         section = self.config.optimizer
         if optimizer is not None and section is not None:
             raise ConfigError(
@@ -125,6 +132,12 @@ class DeepSpeedEngine(nn.Module):
     def _wrap(self, client: torch.optim.Optimizer) -> Any:
         config = self.config
         if self.self_reducing:
+            if self.expert_groups is not None:
+                raise ConfigError(
+                    f"optimizer {type(client).__name__} reduces its own gradients over one "
+                    "group, which MoE expert parameters cannot use; choose Adam/AdamW or another "
+                    "optimizer that ds-zero reduces"
+                )
             if config.zero_optimization.stage != 0:
                 raise ConfigError(
                     f"zero_optimization.stage = {config.zero_optimization.stage}: "
@@ -154,6 +167,8 @@ class DeepSpeedEngine(nn.Module):
             loss_scaler=self.loss_scaler,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             gradient_clipping=config.gradient_clipping,
+            swapper=nvme_swapper(config, self.module),
+            param_group_process_groups=process_groups_of(client, self.expert_groups),
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:

@@ -6,6 +6,11 @@ Each section is parsed by the package that implements it (``ds_zero.ZeroConfig``
 ``ds_comm.CommsLoggerConfig``); this module owns only the top-level keys (batch sizes,
 clipping, logging) and the batch-size triad, which needs the data-parallel world size. Unknown
 top-level keys are errors with the closest known key (DeepSpeed silently ignores them).
+
+The ``aio`` section belongs to ds-offload-aio, an optional dependency (extra ``nvme``): it is
+parsed into ``ds_offload_aio.AioConfig`` when that package is installed and kept as the plain
+mapping otherwise; ``offload_optimizer.device = "nvme"`` without it is an ImportError naming
+``pip install ds-offload-aio``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_comm import CommsLoggerConfig, ConfigError
+from ds_engine._optional import require
 from ds_optim import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig
 from ds_zero import ZeroConfig
 
@@ -87,6 +93,8 @@ class DeepSpeedConfig:
             works with ds-zero).
         memory_breakdown: print :meth:`DeepSpeedEngine.memory_breakdown` with progress lines.
         seed: seeds torch, random and the data loader's shuffling when set.
+        aio: the ``aio`` section (``ds_offload_aio.AioConfig``; None: absent, DeepSpeed's
+            defaults apply) used by ``offload_optimizer.device = "nvme"``.
     """
 
     train_batch_size: int
@@ -108,6 +116,7 @@ class DeepSpeedConfig:
     zero_allow_untested_optimizer: bool = False
     memory_breakdown: bool = False
     seed: int | None = None
+    aio: Any = None
 
     def __post_init__(self) -> None:
         for name in ("wall_clock_breakdown", "prescale_gradients", "memory_breakdown"):
@@ -141,6 +150,14 @@ class DeepSpeedConfig:
             self.gradient_accumulation_steps,
             self.dp_world_size,
         )
+        if self.zero_optimization.offload_optimizer.device == "nvme":
+            aio = require(
+                "ds_offload_aio",
+                "ds-offload-aio",
+                'zero_optimization.offload_optimizer.device = "nvme" (NVMe offload)',
+            )
+            if not isinstance(self.aio, aio.AioConfig):
+                object.__setattr__(self, "aio", aio.AioConfig.from_dict(self.aio))
 
     @property
     def param_dtype_name(self) -> str:
@@ -184,6 +201,8 @@ class DeepSpeedConfig:
                 values[name] = (
                     None if optional and section is None else section_cls.from_dict(section)
                 )
+        if "aio" in values:
+            values["aio"] = _aio_section(values["aio"])
         train, micro, gas = _complete_triad(
             _positive_int("train_batch_size", values.pop("train_batch_size", None)),
             _positive_int(
@@ -201,6 +220,19 @@ class DeepSpeedConfig:
             dp_world_size=dp_world_size,
             **values,
         )
+
+
+def _aio_section(section: Any) -> Any:
+    """The ``aio`` section parsed by ds-offload-aio, or the mapping itself without it."""
+    if section is not None and not isinstance(section, Mapping):
+        raise ConfigError(f"aio = {section!r}: expected a JSON object")
+    try:
+        import ds_offload_aio
+    except ModuleNotFoundError as exc:
+        if exc.name != "ds_offload_aio":
+            raise
+        return None if section is None else dict(section)
+    return ds_offload_aio.AioConfig.from_dict(section)
 
 
 def _equation(train: int, micro: int, gas: int, world: int) -> str:
@@ -320,6 +352,12 @@ def config_json_schema() -> dict[str, Any]:
     zero = schema["properties"]["zero_optimization"]
     schema["properties"]["zero_optimization"] = {"anyOf": [zero, {"type": "boolean"}]}
     schema["properties"]["bfloat16"] = schema["properties"]["bf16"]
+    try:
+        from ds_offload_aio import AioConfig
+    except ModuleNotFoundError:
+        schema["properties"]["aio"] = {"type": "object"}
+    else:
+        schema["properties"]["aio"] = _dataclass_schema(AioConfig)
     schema["properties"]["train_batch_size"] = {"type": "integer", "minimum": 1}
     schema["properties"]["train_micro_batch_size_per_gpu"] = {"type": "integer", "minimum": 1}
     schema["properties"]["gradient_accumulation_steps"] = {"type": "integer", "minimum": 1}

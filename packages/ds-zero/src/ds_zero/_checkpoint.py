@@ -242,7 +242,8 @@ def save_sharded_checkpoint(
         partial.mkdir(parents=True)
     _barrier(pg)
     state = optimizer.state_dict()
-    writes = rank == 0 or optimizer.num_shards > 1  # unsharded state is the same on every rank
+    files = _state_files(optimizer)
+    writes = rank < len(files)  # unsharded state is the same on every rank: rank 0 writes it
     if writes:
         _save(state, partial / _rank_file(rank))
     _barrier(pg)
@@ -254,13 +255,19 @@ def save_sharded_checkpoint(
             "stage": optimizer.config.stage,
             "world_size": optimizer.world_size,
             "num_shards": optimizer.num_shards,
-            "files": [_rank_file(r) for r in range(optimizer.num_shards)],
+            "files": files,
             "layout": state["layout"],
         }
         (partial / _METADATA).write_text(json.dumps(metadata, indent=1))
         _replace_dir(partial, target)
     _barrier(pg)
     return target
+
+
+def _state_files(optimizer: ZeroOptimizer) -> list[str]:
+    """One file per rank when ranks hold different state (sharded, or own process groups)."""
+    per_rank = optimizer.num_shards > 1 or optimizer.own_groups
+    return [_rank_file(r) for r in range(optimizer.world_size if per_rank else 1)]
 
 
 def _replace_dir(partial: Path, target: Path) -> None:
@@ -299,7 +306,7 @@ def load_sharded_checkpoint(
         g.describe() for g in optimizer.groups
     ]
     if same:
-        file = metadata["files"][optimizer.rank if optimizer.num_shards > 1 else 0]
+        file = metadata["files"][optimizer.rank if len(metadata["files"]) > 1 else 0]
         states = [torch.load(source / file, map_location="cpu", weights_only=True)]
     else:
         states = [

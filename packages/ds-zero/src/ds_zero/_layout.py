@@ -157,7 +157,7 @@ def build_layout(
     *,
     registration: Mapping[torch.nn.Parameter, int],
     names: Mapping[torch.nn.Parameter, str],
-    num_shards: int,
+    num_shards: int | Sequence[int],
     bucket_numel: int,
 ) -> list[FlatGroup]:
     """Pack each group's parameters into a flat buffer (see [Note: flat layout]).
@@ -168,13 +168,15 @@ def build_layout(
         param_groups: trainable parameters of each optimizer param group.
         registration: each parameter's index in ``model.parameters()``.
         names: each parameter's name in ``model.named_parameters()``.
-        num_shards: ranks each unit is split across (1 when nothing is sharded).
+        num_shards: ranks each unit is split across (1 when nothing is sharded), or one such
+            count per group.
         bucket_numel: most elements per unit (``reduce_bucket_size``).
 
     Returns:
         One :class:`FlatGroup` per param group; units carry their global launch ``order``.
     """
     groups: list[FlatGroup] = []
+    shards = [num_shards] * len(param_groups) if isinstance(num_shards, int) else num_shards
     for g, members in enumerate(param_groups):
         ordered = sorted(members, key=lambda p: -registration[p])
         units: list[FlatUnit] = []
@@ -189,10 +191,10 @@ def build_layout(
                 params=unit_params,
                 offsets=offsets,
                 numel=used,
-                padded_numel=padded_numel(used, num_shards),
+                padded_numel=padded_numel(used, shards[g]),
                 start=start,
                 shard_start=shard_start,
-                num_shards=num_shards,
+                num_shards=shards[g],
             )
             units.append(unit)
             start += unit.padded_numel

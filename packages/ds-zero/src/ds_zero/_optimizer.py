@@ -112,6 +112,10 @@ class ZeroOptimizer:
         gradient_clipping: max global gradient norm (0: no clipping).
         swapper: where optimizer state goes with ``offload_optimizer.device="nvme"``
             (default: ds-offload-aio's ``AsyncTensorSwapper`` with default ``aio`` settings).
+        param_group_process_groups: one entry per optimizer param group: the process group
+            that group is reduced and sharded over, a subgroup of ``group`` (None: ``group``).
+            MoE expert groups pass their expert-data-parallel group; gradients are still
+            divided by ``group``'s size (see [Note: param groups with their own process group]).
 
     Example:
         >>> zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -132,6 +136,7 @@ class ZeroOptimizer:
         gradient_accumulation_steps: int = 1,
         gradient_clipping: float = 0.0,
         swapper: TensorSwapper | None = None,
+        param_group_process_groups: Sequence[Any] | None = None,
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
         if gradient_accumulation_steps < 1:
@@ -147,19 +152,19 @@ class ZeroOptimizer:
         self.num_shards = self.world_size if self.config.shard_optimizer_state else 1
         self.shard_rank = self.rank if self.num_shards > 1 else 0  # whose slice of each unit
         trainable = _trainable_groups(model, optimizer)
+        ctx = ReduceContext(group, self.rank, self.world_size, offload.enabled, offload.pin_memory)
+        self.own_groups = param_group_process_groups is not None
+        contexts = _group_contexts(ctx, trainable, param_group_process_groups)
         self.groups: list[FlatGroup] = build_layout(
             [g for g in trainable if g],  # groups of frozen parameters only are left alone
             registration={p: i for i, p in enumerate(model.parameters())},
             names={p: n for n, p in model.named_parameters()},
-            num_shards=self.num_shards,
+            num_shards=[c.world_size if self.num_shards > 1 else 1 for c in contexts],
             bucket_numel=self.config.reduce_bucket_size,
         )
+        self._contexts = contexts
         self._broadcast_params()
-        self.reducer = GradReducer(
-            self.groups,
-            self.config,
-            ReduceContext(group, self.rank, self.world_size, offload.enabled, offload.pin_memory),
-        )
+        self.reducer = GradReducer(self.groups, self.config, ctx, contexts)
         fp32_params = self.groups[0].flat.dtype == torch.float32
         self._master_is_flat = fp32_params and not self.config.shard_optimizer_state
         self.masters = [self._new_master(g) for g in self.groups]
@@ -185,11 +190,15 @@ class ZeroOptimizer:
     # --- construction ----------------------------------------------------------------------------
 
     def _broadcast_params(self) -> None:
-        if self.world_size == 1:
-            return
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        for g in self.groups:
-            ds_comm.broadcast(g.flat, src, group=self.group)
+        for g, ctx in zip(self.groups, self._contexts):
+            if ctx.world_size == 1:
+                continue
+            src = 0 if ctx.group is None else dist.get_global_rank(ctx.group, 0)
+            ds_comm.broadcast(g.flat, src, group=ctx.group)
+
+    def _shard_rank(self, group: FlatGroup) -> int:
+        """Whose slice of each of ``group``'s units this rank owns."""
+        return self._contexts[group.index].rank if self.num_shards > 1 else 0
 
     def _new_master(self, group: FlatGroup) -> torch.Tensor:
         if self._master_is_flat:
@@ -206,7 +215,7 @@ class ZeroOptimizer:
 
     def _master_from_params(self, group: FlatGroup, master: torch.Tensor) -> None:
         for unit in group.units:
-            unit.in_partition(master).copy_(unit.shard(group.flat, self.shard_rank))
+            unit.in_partition(master).copy_(unit.shard(group.flat, self._shard_rank(group)))
 
     def _rewire_optimizer(self, trainable: Sequence[Sequence[torch.nn.Parameter]]) -> None:
         if self.optimizer.state:
@@ -281,10 +290,7 @@ class ZeroOptimizer:
         self._window = 0
         self.reducer.flush()
         grads = [self._master_grad(g) for g in self.groups]
-        # ds-optim reads group=None as "nothing to reduce": name the default group explicitly.
-        sharded = self.config.shard_optimizer_state and self.world_size > 1
-        norm_group = (self.group or dist.group.WORLD) if sharded else None
-        norm = float(global_grad_norm(grads, 2.0, group=norm_group))
+        norm = self._global_norm(grads)
         scale = self.loss_scale
         if self.loss_scaler is not None and not math.isfinite(norm):
             self._grad_norm = norm
@@ -307,6 +313,22 @@ class ZeroOptimizer:
         self.global_steps += 1
         return False
 
+    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        """The L2 norm of every rank's gradients, each element counted once."""
+        sharded = self.config.shard_optimizer_state and self.world_size > 1
+        if sharded or not self.own_groups or self.world_size == 1:
+            # ds-optim reads group=None as "nothing to reduce": name the default group.
+            norm_group = (self.group or dist.group.WORLD) if sharded else None
+            return float(global_grad_norm(grads, 2.0, group=norm_group))
+        # Stage 0 with own process groups: a group is replicated over its own group only, so
+        # sum every rank's squares, each divided by its number of replicas.
+        squares = torch.zeros((), dtype=torch.float64)
+        for grad, ctx in zip(grads, self._contexts):
+            squares += grad.double().pow(2).sum().cpu() / ctx.world_size
+        squares = squares.to(grads[0].device)
+        ds_comm.all_reduce(squares, group=self.group)
+        return float(squares.sqrt())
+
     def _master_grad(self, group: FlatGroup) -> torch.Tensor:
         """The fp32 gradient of ``group``'s master partition (see [Note: one step])."""
         part = self.reducer.part[group.index]
@@ -319,7 +341,7 @@ class ZeroOptimizer:
         master = self.masters[group.index]
         grad = torch.empty_like(master)
         for unit in group.units:
-            unit.in_partition(grad).copy_(unit.shard(full, self.shard_rank))
+            unit.in_partition(grad).copy_(unit.shard(full, self._shard_rank(group)))
         return grad
 
     def _step_optimizer(self) -> None:
@@ -343,7 +365,7 @@ class ZeroOptimizer:
         """Write the masters into the model's parameters, gathering every rank's partition."""
         if self._master_is_flat:
             return
-        for i, (group, master) in enumerate(zip(self.groups, self.masters)):
+        for i, (group, master, ctx) in enumerate(zip(self.groups, self.masters, self._contexts)):
             flat = group.flat
             if low is not None:
                 source = low[i].to(device=flat.device, non_blocking=True)
@@ -355,9 +377,9 @@ class ZeroOptimizer:
             gather_partition(
                 group,
                 source,
-                pg=self.group,
-                rank=self.rank,
-                world_size=self.world_size,
+                pg=ctx.group,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
                 bucket_numel=self.config.allgather_bucket_size,
                 use_all_gather=self.config.allgather_partitions,
             )
@@ -424,6 +446,8 @@ class ZeroOptimizer:
         model's weights first).
         """
         states = [state] if isinstance(state, Mapping) else list(state)
+        if self.own_groups:
+            states = _own_rank_state(states, self.rank, self.world_size)
         masters, optimizer_state, source = resolve_states(
             states,
             layouts=[g.describe() for g in self.groups],
@@ -482,6 +506,54 @@ class ZeroOptimizer:
             buffers=staging,
             host=host + grads_host,
         )
+
+
+def _group_contexts(
+    ctx: ReduceContext,
+    trainable: Sequence[Sequence[torch.nn.Parameter]],
+    process_groups: Sequence[Any] | None,
+) -> list[ReduceContext]:
+    """The reduction context of each non-empty param group (its own process group or ``ctx``)."""
+    if process_groups is None:
+        return [ctx for g in trainable if g]
+    if len(process_groups) != len(trainable):
+        raise ValueError(
+            f"param_group_process_groups has {len(process_groups)} entries for "
+            f"{len(trainable)} optimizer param groups; pass one per group (None: the default)"
+        )
+    contexts = []
+    for members, pg in zip(trainable, process_groups):
+        if not members:
+            continue
+        if pg is None:
+            contexts.append(ctx)
+            continue
+        rank, size = _dp_rank_and_size(pg)
+        if ctx.world_size % size:
+            raise ValueError(
+                f"a param group's process group has {size} ranks, which does not divide the "
+                f"data-parallel size {ctx.world_size}; it must be a subgroup of group"
+            )
+        contexts.append(ReduceContext(pg, rank, size, ctx.offload, ctx.pin_memory))
+    return contexts
+
+
+def _own_rank_state(
+    states: list[Mapping[str, Any]], rank: int, world_size: int
+) -> list[Mapping[str, Any]]:
+    """This rank's saved state: param groups on their own process groups hold different
+    parameters on different ranks (MoE experts), so no other rank's state can stand in."""
+    saved = {int(s["world_size"]) for s in states}
+    if saved != {world_size}:
+        raise ValueError(
+            f"this checkpoint was saved on {sorted(saved)} data-parallel ranks and this run has "
+            f"{world_size}: param groups with their own process groups (MoE experts) can only "
+            "be restored on the same number of ranks"
+        )
+    own = [s for s in states if int(s["rank"]) == rank]
+    if not own:
+        raise ValueError(f"no saved state for rank {rank} among {[s['rank'] for s in states]}")
+    return own
 
 
 def _clone_tensors(obj: Any) -> Any:

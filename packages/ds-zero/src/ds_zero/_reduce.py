@@ -32,6 +32,12 @@ side stream at the end of backward. On gloo the async work handle is the overlap
 ``overlap_comm`` each collective is waited for in the hook that launched it. Gradients are
 divided by the world size before they are summed (exact for powers of two, and fp16 sums
 cannot overflow where the average would not).
+
+[Note: param groups with their own process group]
+A group may be reduced and sharded over its own process group (``group_contexts``; MoE expert
+parameters over their expert-data-parallel group, as DeepSpeed's ``real_dp_process_group``).
+Its gradients are still divided by the size of the data-parallel group (``ctx``), so every
+gradient is that of the mean loss over the whole data-parallel batch.
 """
 
 from __future__ import annotations
@@ -113,12 +119,21 @@ class GradReducer:
         groups: the flat layout.
         config: the ``zero_optimization`` section (stage flags, buckets, overlap).
         ctx: the data-parallel group and host placement.
+        group_contexts: per group, the process group it is reduced and sharded over (default
+            ``ctx`` for all); see [Note: param groups with their own process group].
     """
 
-    def __init__(self, groups: Sequence[FlatGroup], config: ZeroConfig, ctx: ReduceContext):
+    def __init__(
+        self,
+        groups: Sequence[FlatGroup],
+        config: ZeroConfig,
+        ctx: ReduceContext,
+        group_contexts: Sequence[ReduceContext] | None = None,
+    ):
         self.groups = list(groups)
         self.config = config
         self.ctx = ctx
+        self.contexts = list(group_contexts) if group_contexts else [ctx] * len(self.groups)
         self.units = sorted((u for g in self.groups for u in g.units), key=lambda u: u.order)
         self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
         ref = self.groups[0].flat
@@ -369,14 +384,14 @@ class GradReducer:
         self, unit: FlatUnit, buffer: torch.Tensor
     ) -> tuple[Any, Callable[[], None] | None]:
         """Issue the unit's collective; return its work and the step that lands its result."""
-        ctx, cfg = self.ctx, self.config
+        ctx, cfg = self.contexts[unit.group], self.config
         async_op = cfg.overlap_comm
         if not cfg.shard_optimizer_state:  # stage 0: the average, in place
-            work = self._all_reduce(buffer, async_op)
+            work = self._all_reduce(buffer, async_op, ctx)
             return work, None
         own = buffer.view(ctx.world_size, unit.shard_numel)[ctx.rank]
         if ctx.world_size == 1 or not cfg.reduce_scatter:
-            return self._all_reduce(buffer, async_op), self._landing(unit, own)
+            return self._all_reduce(buffer, async_op, ctx), self._landing(unit, own)
         part = self.part[unit.group]
         direct = (
             part is not None
@@ -394,10 +409,10 @@ class GradReducer:
         work = ds_comm.reduce_scatter_tensor(out, buffer, group=ctx.group, async_op=async_op)
         return work, self._landing(unit, out)
 
-    def _all_reduce(self, buffer: torch.Tensor, async_op: bool) -> Any:
-        if self.ctx.world_size == 1:
+    def _all_reduce(self, buffer: torch.Tensor, async_op: bool, ctx: ReduceContext) -> Any:
+        if ctx.world_size == 1:
             return None
-        return ds_comm.all_reduce(buffer, group=self.ctx.group, async_op=async_op)
+        return ds_comm.all_reduce(buffer, group=ctx.group, async_op=async_op)
 
     def _landing(self, unit: FlatUnit, shard: torch.Tensor) -> Callable[[], None] | None:
         """Where a reduced shard goes: ``part`` (accumulating) or the own slice of ``full``."""
@@ -405,7 +420,7 @@ class GradReducer:
         if part is None:  # stage 1 without offload
             full = self.full[unit.group]
             assert full is not None
-            target = unit.shard(full, self.ctx.rank)
+            target = unit.shard(full, self.contexts[unit.group].rank)
             if target.data_ptr() == shard.data_ptr():
                 return None
             return lambda: target.copy_(shard)
