@@ -15,7 +15,12 @@ Per call:
    [Note: all-gather and reduce-scatter over all-to-all] in ``_algorithms.py``): 1.5-3.6x
    torch's from 1 MiB up on 2 ranks. With more ranks an all-gather must copy its block once per
    rank, and it measured no faster than gloo's own on 4 ranks, so it stays native; above 8 ranks
-   (several hosts) gloo's ring, with fewer and larger messages per link, is kept. Uneven or
+   (several hosts) gloo's ring, with fewer and larger messages per link, is kept. Overriding
+   these, ``all_gather_into_tensor`` of ``SHM_MIN_BYTES`` (64 KiB of output) and up on CPU
+   tensors, between ranks that all run on one x86-64 host (checked once per group), goes
+   through shared memory (see [Note: shared-memory all-gather] in ``_shm.py``): no socket at
+   all. From 64 KiB it measured 1.3-3.6x gloo's own on 4 ranks and level with the all-to-all
+   on 2 ranks, which it beats from 1 MiB; below, per-call overhead decides. Uneven or
    strided all-gather/reduce-scatter lists always take the all-to-all on gloo, whose own refuse
    them. NCCL's native ops are optimal, and every other op is native.
 3. A fallback when the backend refuses that algorithm for this dtype and reduce op ("Invalid
@@ -44,12 +49,14 @@ import torch
 import torch.distributed as dist
 
 from ds_comm import _algorithms as alg
+from ds_comm import _shm
 from ds_comm._instrument import TrackedWork, tracked
 from ds_comm.api import ConfigError, ReduceOp
 
 __all__ = [
     "ALGORITHMS",
     "FORCE_ENV",
+    "SHM_MIN_BYTES",
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
@@ -69,7 +76,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce": ("native", "upcast"),
     "broadcast": ("native", "bytes"),
     "all_gather": ("native", "alltoall", "direct", "ring"),
-    "all_gather_into_tensor": ("native", "alltoall", "direct", "ring"),
+    "all_gather_into_tensor": ("native", "shm", "alltoall", "direct", "ring"),
     "reduce_scatter": ("native", "alltoall", "direct", "ring", "allreduce-slice"),
     "reduce_scatter_tensor": ("native", "alltoall", "direct", "ring", "allreduce-slice"),
     "all_to_all_single": ("native", "direct"),
@@ -88,6 +95,8 @@ FORCE_ENV = "DS_COMM_FORCE_ALGO"
 
 # Largest group whose gloo reduce-scatter goes over all-to-all (one host).
 _ALLTOALL_MAX_RANKS = 8
+# Smallest all-gather output that takes the shared-memory path on one host (gloo, x86-64).
+SHM_MIN_BYTES = 64 << 10
 _FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "ds_comm_forced_algorithms", default=None
 )
@@ -196,6 +205,15 @@ def _prefer_fast(member: _Member, gather: bool) -> str:
     n = len(member.ranks)
     most = 2 if gather else _ALLTOALL_MAX_RANKS
     return "alltoall" if member.backend == "gloo" and 2 <= n <= most else "native"
+
+
+def _prefer_shm(group: Any, member: _Member, tensors: Sequence[torch.Tensor], nbytes: int) -> bool:
+    """Whether an all-gather takes the shared-memory path: see [Note: choosing an algorithm]."""
+    if member.backend != "gloo" or len(member.ranks) < 2 or nbytes < SHM_MIN_BYTES:
+        return False
+    if not _shm.SUPPORTED or any(t.device.type != "cpu" for t in tensors):
+        return False
+    return _shm.shm_group(group, member.ranks, member.me).same_host
 
 
 def _ring_tag(ranks: tuple[int, ...]) -> int:
@@ -457,6 +475,15 @@ def all_gather_into_tensor(
                 f"all_gather_into_tensor: output must have {n} x {input_tensor.numel()} elements,"
                 f" got {tuple(output_tensor.shape)}"
             )
+        if algo == "shm":
+            staged, copy_back = _contiguous_outputs([output_tensor])
+            state = _shm.shm_group(group, member.ranks, member.me)
+            pending = state.all_gather(
+                staged[0], input_tensor.contiguous(), "all_gather_into_tensor"
+            )
+            if pending is not None:
+                return _then(pending, copy_back)
+            algo = "alltoall"  # every rank alike: no segment could hold this message
         if algo == "alltoall":  # straight into the caller's buffer
             return alg.all_gather_alltoall(
                 output_tensor, input_tensor.contiguous(), group, ranks=member.ranks, me=member.me
@@ -464,15 +491,20 @@ def all_gather_into_tensor(
         chunks = list(output_tensor.view(-1).split(input_tensor.numel()))
         return _gather_algorithm(algo, chunks, input_tensor.reshape(-1), group, member)
 
+    tensors = [output_tensor, input_tensor]
+    if _prefer_shm(group, member, tensors, output_tensor.nbytes):
+        preferred = "shm"
+    else:
+        preferred = _prefer_fast(member, gather=True)
     return _run(
         "all_gather_into_tensor",
         group,
         member,
-        [output_tensor, input_tensor],
+        tensors,
         output_tensor.nbytes,
         async_op,
         issue,
-        preferred=_prefer_fast(member, gather=True),
+        preferred=preferred,
     )
 
 
