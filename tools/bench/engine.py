@@ -8,7 +8,7 @@ twice from the same seed and trains both on the same random token batches:
   (PyTorch's defaults, ``bucket_cap_mb = --bucket-mb``), ``loss.backward()``,
   ``clip_grad_norm_(1.0)``, ``AdamW.step()``, ``zero_grad()``.
 * ``engine``: ``ds_engine.initialize(model=..., optimizer=AdamW(...), config=...)`` at stage 0
-  with ``gradient_clipping`` 1.0 and ``reduce_bucket_size`` the same ``--bucket-mb`` (in fp32
+  with ``gradient_clipping`` 1.0, ``overlap_comm`` (DDP overlaps too) and ``reduce_bucket_size`` the same ``--bucket-mb`` (in fp32
   elements; DeepSpeed's default of 5e8 elements would put the whole model in one bucket, reduced
   after backward instead of overlapped with it), and DeepSpeed's loop ``engine(batch)``,
   ``engine.backward(loss)``, ``engine.step()``. The client optimizer is the same
@@ -83,7 +83,12 @@ def _engine_loop(args: argparse.Namespace, dim: int):
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": int(args.bucket_mb * 2**20 / 4)},
+        # overlap_comm: reduce each bucket asynchronously while backward goes on, as DDP does.
+        "zero_optimization": {
+            "stage": 0,
+            "reduce_bucket_size": int(args.bucket_mb * 2**20 / 4),
+            "overlap_comm": True,
+        },
     }
     engine, *_ = ds_engine.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config

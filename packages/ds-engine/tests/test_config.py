@@ -93,6 +93,26 @@ def test_bad_values_name_the_key_and_the_value() -> None:
         )
 
 
+def test_reduction_keys_are_accepted_and_validated() -> None:
+    cfg = DeepSpeedConfig.from_dict(
+        {
+            "train_batch_size": 8,
+            "prescale_gradients": True,
+            "gradient_predivide_factor": 4,
+            "communication_data_type": "bf16",
+        }
+    )
+    assert cfg.prescale_gradients is True
+    assert cfg.gradient_predivide_factor == 4.0
+    assert cfg.communication_data_type == "bf16"
+    with pytest.raises(ConfigError, match=r"gradient_predivide_factor = 0"):
+        DeepSpeedConfig.from_dict({"train_batch_size": 8, "gradient_predivide_factor": 0})
+    with pytest.raises(ConfigError, match=r"gradient_predivide_factor = -2"):
+        DeepSpeedConfig.from_dict({"train_batch_size": 8, "gradient_predivide_factor": -2})
+    with pytest.raises(ConfigError, match=r"communication_data_type = 'fp8'"):
+        DeepSpeedConfig.from_dict({"train_batch_size": 8, "communication_data_type": "fp8"})
+
+
 def test_defaults_follow_deepspeed() -> None:
     cfg = DeepSpeedConfig.from_dict({"train_batch_size": 8})
     assert cfg.gradient_clipping == 1.0
@@ -101,6 +121,7 @@ def test_defaults_follow_deepspeed() -> None:
     assert cfg.wall_clock_breakdown is False
     assert cfg.prescale_gradients is False
     assert cfg.gradient_predivide_factor == 1.0
+    assert cfg.communication_data_type is None
     assert cfg.zero_optimization.stage == 0
     assert cfg.fp16.enabled is False and cfg.bf16.enabled is False
     assert cfg.optimizer is None and cfg.scheduler is None

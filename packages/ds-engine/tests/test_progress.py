@@ -35,8 +35,24 @@ def test_numerics_contract_names_every_dtype_and_the_reduction_order() -> None:
         "master weights         float32 (host, offloaded)",
         "loss scaling           dynamic (2**12",
         "reduce-scatter per bucket every micro-batch",
+        "sums, then divides by dp size",
     ):
         assert row in table
+    tuned = numerics_table(
+        DeepSpeedConfig.from_dict(
+            {
+                "train_batch_size": 4,
+                "gradient_predivide_factor": 4.0,
+                "communication_data_type": "bf16",
+            }
+        )
+    )
+    assert "reductions             bfloat16 over 1 data-parallel ranks" in tuned
+    assert "divides by 4 before the sum, multiplies by 4/dp after" in tuned
+    prescaled = numerics_table(
+        DeepSpeedConfig.from_dict({"train_batch_size": 4, "prescale_gradients": True})
+    )
+    assert "each rank divides by dp size before the sum" in prescaled
     plain = numerics_table(DeepSpeedConfig.from_dict({"train_batch_size": 4}))
     assert "float32 (the parameters themselves)" in plain and "loss scaling           none" in plain
 

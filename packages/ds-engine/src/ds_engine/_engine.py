@@ -169,6 +169,11 @@ class DeepSpeedEngine(nn.Module):
             gradient_clipping=config.gradient_clipping,
             swapper=nvme_swapper(config, self.module),
             param_group_process_groups=process_groups_of(client, self.expert_groups),
+            # prescale_gradients: all of the averaging before the sum (see docs/engine.md)
+            gradient_predivide_factor=(
+                None if config.prescale_gradients else config.gradient_predivide_factor
+            ),
+            communication_data_type=config.communication_data_type,
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:

@@ -30,7 +30,14 @@ def _reduction_order(config: DeepSpeedConfig, self_reducing: bool) -> str:
     stage = config.zero_optimization.stage
     when = "every micro-batch" if stage >= 2 else "at the accumulation boundary"
     op = "all-reduce" if stage == 0 else "reduce-scatter"
-    return f"{op} per bucket {when}, in fixed bucket order; each rank divides by dp size first"
+    if config.prescale_gradients:
+        scaling = "each rank divides by dp size before the sum"
+    elif config.gradient_predivide_factor == 1.0:
+        scaling = "sums, then divides by dp size"
+    else:
+        factor = config.gradient_predivide_factor
+        scaling = f"divides by {factor:g} before the sum, multiplies by {factor:g}/dp after"
+    return f"{op} per bucket {when}, in fixed bucket order; {scaling}"
 
 
 def numerics_table(config: DeepSpeedConfig, *, self_reducing: bool = False) -> str:
@@ -51,11 +58,12 @@ def numerics_table(config: DeepSpeedConfig, *, self_reducing: bool = False) -> s
     master = "float32" + (" (host, offloaded)" if offload else "")
     if low == "float32" and zero.stage == 0:
         master = "float32 (the parameters themselves)"
+    wire = _DTYPE_NAMES.get(config.communication_data_type or "", low)
     rows = [
         ("parameters", low),
         ("gradients", f"{low} ({grads_at})"),
         ("gradient accumulation", f"{low}, {config.gradient_accumulation_steps} micro-batches"),
-        ("reductions", f"{low} over {config.dp_world_size} data-parallel ranks"),
+        ("reductions", f"{wire} over {config.dp_world_size} data-parallel ranks"),
         ("master weights", master),
         ("optimizer state", "float32" + (" (host)" if offload else "")),
         ("loss scaling", scaling),

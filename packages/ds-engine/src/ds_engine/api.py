@@ -85,10 +85,12 @@ class DeepSpeedConfig:
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
         steps_per_print: print a progress line every this many optimizer steps.
         wall_clock_breakdown: time forward, backward and step and print them.
-        prescale_gradients: divide gradients before the reduction (ds-zero always does).
-        gradient_predivide_factor: must be 1.0 (ds-zero divides by the world size).
-        communication_data_type: reductions run in the parameters' dtype; only None or that
-            dtype's name are accepted.
+        prescale_gradients: divide gradients by the data-parallel size before the reduction
+            (``gradient_predivide_factor`` is then ignored, as in DeepSpeed).
+        gradient_predivide_factor: without ``prescale_gradients``, gradients are divided by
+            it before the reduction and the sum multiplied by ``factor / dp_world_size`` after.
+        communication_data_type: ``fp32``, ``fp16`` or ``bf16``: the dtype gradient reductions
+            run in (None: the gradients' dtype).
         zero_allow_untested_optimizer: accepted for compatibility (any elementwise optimizer
             works with ds-zero).
         memory_breakdown: print :meth:`DeepSpeedEngine.memory_breakdown` with progress lines.
@@ -126,11 +128,12 @@ class DeepSpeedConfig:
         object.__setattr__(self, "gradient_clipping", clip)
         _positive_int("steps_per_print", self.steps_per_print)
         factor = _number("gradient_predivide_factor", self.gradient_predivide_factor, minimum=0)
-        if factor != 1.0:
+        if factor == 0:
             raise ConfigError(
-                f"gradient_predivide_factor = {factor!r}: ds-zero divides gradients by the "
-                "data-parallel size before summing; remove the key or set it to 1.0"
+                "gradient_predivide_factor = 0: gradients are divided by it; use a number > 0 "
+                "(1.0, the default, divides by the data-parallel size after the reduction)"
             )
+        object.__setattr__(self, "gradient_predivide_factor", factor)
         if self.communication_data_type not in _COMM_DTYPES:
             raise ConfigError(
                 f"communication_data_type = {self.communication_data_type!r}: expected one of "

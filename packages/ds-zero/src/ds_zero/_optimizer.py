@@ -45,6 +45,9 @@ from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
 __all__ = ["ZeroOptimizer"]
 
+# DeepSpeed's communication_data_type names.
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 def _dp_rank_and_size(group: Any) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
@@ -116,6 +119,12 @@ class ZeroOptimizer:
             that group is reduced and sharded over, a subgroup of ``group`` (None: ``group``).
             MoE expert groups pass their expert-data-parallel group; gradients are still
             divided by ``group``'s size (see [Note: param groups with their own process group]).
+        gradient_predivide_factor: DeepSpeed's key: gradients are divided by it before the sum
+            and the sum multiplied by ``factor / world_size`` after it (None: the world size,
+            i.e. all of the averaging before the sum, as DeepSpeed's ``prescale_gradients``).
+        communication_data_type: dtype the gradient collectives run in (``torch.float32``,
+            ``float16``, ``bfloat16`` or DeepSpeed's ``"fp32"``/``"fp16"``/``"bf16"``; None: the
+            gradients' dtype); the result is cast back into the gradient storage.
 
     Example:
         >>> zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -137,8 +146,21 @@ class ZeroOptimizer:
         gradient_clipping: float = 0.0,
         swapper: TensorSwapper | None = None,
         param_group_process_groups: Sequence[Any] | None = None,
+        gradient_predivide_factor: float | None = None,
+        communication_data_type: torch.dtype | str | None = None,
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
+        if gradient_predivide_factor is not None and not (0 < gradient_predivide_factor < math.inf):
+            raise ValueError(
+                f"gradient_predivide_factor = {gradient_predivide_factor}: expected a finite "
+                "number > 0 (or None: divide by the world size before the sum)"
+            )
+        comm_dtype = _COMM_DTYPES.get(communication_data_type, communication_data_type)
+        if comm_dtype not in (None, *_COMM_DTYPES.values()):
+            raise ValueError(
+                f"communication_data_type = {communication_data_type!r}: expected one of "
+                f"{list(_COMM_DTYPES)}, a matching torch dtype, or None (the gradients' dtype)"
+            )
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps}: >= 1")
         if not gradient_clipping >= 0:
@@ -164,7 +186,14 @@ class ZeroOptimizer:
         )
         self._contexts = contexts
         self._broadcast_params()
-        self.reducer = GradReducer(self.groups, self.config, ctx, contexts)
+        self.reducer = GradReducer(
+            self.groups,
+            self.config,
+            ctx,
+            contexts,
+            predivide_factor=gradient_predivide_factor,
+            comm_dtype=comm_dtype,
+        )
         fp32_params = self.groups[0].flat.dtype == torch.float32
         self._master_is_flat = fp32_params and not self.config.shard_optimizer_state
         self.masters = [self._new_master(g) for g in self.groups]

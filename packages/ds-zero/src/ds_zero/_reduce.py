@@ -29,9 +29,17 @@ work is waited for when its staging buffer is needed again or at the end of back
 then is its result accumulated. On CUDA the copy-in, the collective and the accumulation run on
 a side stream that first waits for the compute stream, and the compute stream waits for the
 side stream at the end of backward. On gloo the async work handle is the overlap. Without
-``overlap_comm`` each collective is waited for in the hook that launched it. Gradients are
-divided by the world size before they are summed (exact for powers of two, and fp16 sums
-cannot overflow where the average would not).
+``overlap_comm`` each collective is waited for in the hook that launched it.
+
+[Note: scaling and casting around the collective]
+A unit is divided by ``predivide`` before it is summed and the sum multiplied by
+``predivide / world_size`` after it, so the result is always the average. ``predivide`` defaults
+to the world size (no post-scaling; exact for powers of two, and fp16 sums cannot overflow
+where the average would not); DeepSpeed's ``gradient_predivide_factor`` sets it. With a
+``communication dtype`` other than the gradients', the divided unit is cast to it, the
+collective runs on the cast copy, and the result is scaled there and cast back where the stage
+keeps gradients (the division runs before the cast, in the wider dtype when there is one). On
+one rank nothing is communicated, so nothing is scaled or cast.
 
 [Note: param groups with their own process group]
 A group may be reduced and sharded over its own process group (``group_contexts``; MoE expert
@@ -121,6 +129,10 @@ class GradReducer:
         ctx: the data-parallel group and host placement.
         group_contexts: per group, the process group it is reduced and sharded over (default
             ``ctx`` for all); see [Note: param groups with their own process group].
+        predivide_factor: divide gradients by this before the sum and the sum by
+            ``world_size / predivide_factor`` after it (None: the world size, all before); see
+            [Note: scaling and casting around the collective].
+        comm_dtype: dtype the collectives run in (None: the gradients' dtype).
     """
 
     def __init__(
@@ -129,6 +141,9 @@ class GradReducer:
         config: ZeroConfig,
         ctx: ReduceContext,
         group_contexts: Sequence[ReduceContext] | None = None,
+        *,
+        predivide_factor: float | None = None,
+        comm_dtype: torch.dtype | None = None,
     ):
         self.groups = list(groups)
         self.config = config
@@ -138,6 +153,13 @@ class GradReducer:
         self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
         ref = self.groups[0].flat
         self.dtype, self.device = ref.dtype, ref.device
+        world = ctx.world_size
+        self._predivide = (
+            1.0 if world == 1 else float(world if predivide_factor is None else predivide_factor)
+        )
+        self._postscale = 1.0 if world == 1 else self._predivide / world
+        same = world == 1 or comm_dtype in (None, self.dtype)
+        self._comm_dtype: torch.dtype | None = None if same else comm_dtype
         self.full: list[torch.Tensor | None] = [None] * len(self.groups)
         self.part: list[torch.Tensor | None] = [None] * len(self.groups)
         self._allocate()
@@ -353,9 +375,10 @@ class GradReducer:
                 full = self.full[unit.group]
                 assert full is not None
                 buffer, release = unit.full(full), None
-            if self.ctx.world_size > 1:
-                buffer.div_(self.ctx.world_size)
-            work, finalize = self._reduce(unit, buffer)
+            if self._predivide != 1.0:
+                buffer.div_(self._predivide)
+            send = buffer if self._comm_dtype is None else buffer.to(self._comm_dtype)
+            work, finalize = self._reduce(unit, buffer, send)
         self._inflight.append(_InFlight(work, finalize, release))
         if not self.config.overlap_comm:
             self._wait_oldest()
@@ -381,33 +404,43 @@ class GradReducer:
         return buffer
 
     def _reduce(
-        self, unit: FlatUnit, buffer: torch.Tensor
+        self, unit: FlatUnit, buffer: torch.Tensor, send: torch.Tensor
     ) -> tuple[Any, Callable[[], None] | None]:
-        """Issue the unit's collective; return its work and the step that lands its result."""
+        """Issue the unit's collective on ``send`` (``buffer``, or its copy in the communication
+        dtype); return its work and the steps that scale and land its result."""
         ctx, cfg = self.contexts[unit.group], self.config
         async_op = cfg.overlap_comm
         if not cfg.shard_optimizer_state:  # stage 0: the average, in place
-            work = self._all_reduce(buffer, async_op, ctx)
-            return work, None
-        own = buffer.view(ctx.world_size, unit.shard_numel)[ctx.rank]
+            work = self._all_reduce(send, async_op, ctx)
+            back = None if send is buffer else (lambda: buffer.copy_(send))
+            return work, _chain(self._scale(send), back)
+        own = send.view(ctx.world_size, unit.shard_numel)[ctx.rank]
         if ctx.world_size == 1 or not cfg.reduce_scatter:
-            return self._all_reduce(buffer, async_op, ctx), self._landing(unit, own)
+            work = self._all_reduce(send, async_op, ctx)
+            return work, _chain(self._scale(own), self._landing(unit, own))
         part = self.part[unit.group]
         direct = (
             part is not None
             and not self._accumulated[unit.order]
-            and part.dtype == buffer.dtype
-            and part.device == buffer.device
+            and part.dtype == send.dtype
+            and part.device == send.device
+            and self._postscale == 1.0
         )
         if direct:  # first gradient of this window: reduce straight into the shard
             assert part is not None
             out = unit.in_partition(part)
-            work = ds_comm.reduce_scatter_tensor(out, buffer, group=ctx.group, async_op=async_op)
+            work = ds_comm.reduce_scatter_tensor(out, send, group=ctx.group, async_op=async_op)
             self._accumulated[unit.order] = True
             return work, None
-        out = torch.empty(unit.shard_numel, dtype=buffer.dtype, device=buffer.device)
-        work = ds_comm.reduce_scatter_tensor(out, buffer, group=ctx.group, async_op=async_op)
-        return work, self._landing(unit, out)
+        out = torch.empty(unit.shard_numel, dtype=send.dtype, device=send.device)
+        work = ds_comm.reduce_scatter_tensor(out, send, group=ctx.group, async_op=async_op)
+        return work, _chain(self._scale(out), self._landing(unit, out))
+
+    def _scale(self, reduced: torch.Tensor) -> Callable[[], None] | None:
+        """The post-division of a reduced sum ([Note: scaling and casting around the collective])."""
+        if self._postscale == 1.0:
+            return None
+        return lambda: reduced.mul_(self._postscale)
 
     def _all_reduce(self, buffer: torch.Tensor, async_op: bool, ctx: ReduceContext) -> Any:
         if ctx.world_size == 1:
@@ -453,3 +486,16 @@ class GradReducer:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         if self.ctx.offload and torch.cuda.is_available():
             torch.cuda.synchronize()  # non-blocking copies into pinned host shards
+
+
+def _chain(*steps: Callable[[], Any] | None) -> Callable[[], None] | None:
+    """One callable running the given steps in order (None when there are none)."""
+    todo = [step for step in steps if step is not None]
+    if not todo:
+        return None
+
+    def run() -> None:
+        for step in todo:
+            step()
+
+    return run
