@@ -1,4 +1,4 @@
-"""The README's main job (the ds-comm bandwidth benchmark on 2 local ranks) runs end to end.
+"""The ds-comm bandwidth benchmark (tools/bench/comm.py) runs end to end on 2 local ranks.
 
 A small size range keeps it fast; the full table is the `bench` nox session's job.
 """

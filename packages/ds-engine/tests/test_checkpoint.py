@@ -5,6 +5,7 @@ client-state validation."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -218,6 +219,9 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    with socket.socket() as s:  # not the default 29500: another job on the machine may hold it
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
     done = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True)
     assert done.returncode == 9, done.stderr.decode()[-2000:]
     assert (root / "latest").read_text() == "good"

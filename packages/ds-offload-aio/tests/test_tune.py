@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ds_offload_aio import AioConfig, ConfigError, TuneResult, tune
-from ds_offload_aio._tune import main, parse_size, sweep_configs
+from ds_offload_aio._tune import main, parse_size, rank, sweep_configs
 
 
 def test_parse_size() -> None:
@@ -35,6 +35,16 @@ def test_score_is_the_rate_of_a_write_plus_a_read() -> None:
     both = TuneResult(AioConfig(), read_gbps=2.0, write_gbps=1.0)
     assert both.score == pytest.approx(2 / (1 / 2.0 + 1 / 1.0))
     assert TuneResult(AioConfig(), read_gbps=None, write_gbps=1.5).score == pytest.approx(1.5)
+
+
+def test_rank_prefers_overlap_events_unless_batching_is_clearly_faster() -> None:
+    def result(overlap: bool, rate: float) -> TuneResult:
+        return TuneResult(AioConfig(overlap_events=overlap), read_gbps=rate, write_gbps=rate)
+
+    near_tie = [result(False, 1.03), result(True, 1.0), result(True, 0.5)]
+    assert [r.score for r in rank(near_tie)] == pytest.approx([1.0, 1.03, 0.5])
+    clearly = [result(True, 1.0), result(False, 1.2)]
+    assert [r.config.overlap_events for r in rank(clearly)] == [False, True]
 
 
 def test_tune_measures_every_config_and_cleans_up(tmp_path: Path) -> None:

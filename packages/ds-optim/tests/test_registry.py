@@ -4,7 +4,6 @@ type's adam_w_mode/torch_adam/offload rules, errors for unknown types and params
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import pytest
 import torch
@@ -91,9 +90,6 @@ def test_torch_adam_accepts_torchs_own_params() -> None:
     assert ds_optim.build_optimizer(section, _params()).param_groups[0]["amsgrad"] is True
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("ds_optim._cpu_adam") is None, reason="CPUAdam not in this tree yet"
-)
 @pytest.mark.parametrize(
     ("type_name", "params", "decoupled"),
     [("Adam", {}, True), ("Adam", {"adam_w_mode": False}, False), ("AdamW", {}, True)],
@@ -237,8 +233,6 @@ ONE_BIT = [
 
 @pytest.mark.parametrize(("type_name", "module", "params"), ONE_BIT, ids=[t[0] for t in ONE_BIT])
 def test_one_bit_types_build_with_their_own_params(type_name, module, params) -> None:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not in this tree yet")
     cls = getattr(importlib.import_module(module), type_name)
     opt = ds_optim.build_optimizer({"type": type_name.lower(), "params": params}, _params())
     assert type(opt) is cls

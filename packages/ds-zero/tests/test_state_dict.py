@@ -169,3 +169,20 @@ def _in_memory_body(rank: int, world_size: int) -> bool:
 
 def test_state_dict_round_trip_restores_parameters() -> None:
     assert run_on_ranks(_in_memory_body, 2, timeout=300) == [True, True]
+
+
+def test_replace_dir_swaps_a_finished_directory_in_whole(tmp_path: Path) -> None:
+    import torch
+
+    from ds_zero import replace_dir, save_fsynced
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "stale.pt").write_text("old")
+    partial = tmp_path / ".ckpt.partial"
+    partial.mkdir()
+    save_fsynced({"x": torch.arange(3)}, partial / "state.pt")
+    replace_dir(partial, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial, no aside
+    assert [p.name for p in target.iterdir()] == ["state.pt"]
+    assert torch.equal(torch.load(target / "state.pt")["x"], torch.arange(3))

@@ -309,6 +309,8 @@ def _check_args(
     if not params:
         return
     device, dtype = params[0].device, params[0].dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"adam: params must be floating point, got {dtype}")
     state_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if p.device != device or p.dtype != dtype:
@@ -316,11 +318,12 @@ def _check_args(
                 f"adam: all params must share one device and dtype (group them first), got "
                 f"params[0] on {device} as {dtype} and params[{i}] on {p.device} as {p.dtype}"
             )
-        if not dtype.is_floating_point:
-            raise ValueError(f"adam: params must be floating point, got {dtype}")
-        for name, t, want in (("grads", g, dtype), ("exp_avgs", m, state_dtype)):
+        for name, t, want in (
+            ("grads", g, dtype),
+            ("exp_avgs", m, state_dtype),
+            ("exp_avg_sqs", v, state_dtype),
+        ):
             _check_like(name, i, t, p, want)
-        _check_like("exp_avg_sqs", i, v, p, state_dtype)
 
 
 def _check_like(

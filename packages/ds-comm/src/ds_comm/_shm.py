@@ -205,10 +205,11 @@ class ShmGroup:
         seq = self.seq
         everyone = range(self.n)
         self._wait(seg, _READ, seq - 1, everyone, op, "finish reading the previous op")
-        seg.data[self.me * block : (self.me + 1) * block].copy_(wire(input))
+        own = wire(input)
+        seg.data[self.me * block : (self.me + 1) * block].copy_(own)
         self._publish(seg, _ARRIVED, seq)
         out = wire(output)
-        out[self.me * block : (self.me + 1) * block].copy_(wire(input))  # while peers arrive
+        out[self.me * block : (self.me + 1) * block].copy_(own)  # while peers arrive
 
         def finish() -> None:
             for k in range(1, self.n):  # each peer's block as soon as it has arrived

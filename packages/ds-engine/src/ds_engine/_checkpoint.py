@@ -33,7 +33,13 @@ import torch
 import ds_comm
 from ds_engine import __version__
 from ds_engine._moe import load_module_state, module_state, save_expert_files
-from ds_zero import ZeroOptimizer, load_sharded_checkpoint, save_sharded_checkpoint
+from ds_zero import (
+    ZeroOptimizer,
+    load_sharded_checkpoint,
+    replace_dir,
+    save_sharded_checkpoint,
+)
+from ds_zero import save_fsynced as _write  # module-level name: the crash test patches it
 
 if TYPE_CHECKING:
     from ds_engine._engine import DeepSpeedEngine
@@ -137,22 +143,6 @@ def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], excl
     }
 
 
-def _write(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _replace(partial: Path, target: Path) -> None:
-    aside = target.with_name(f".{target.name}.old")
-    shutil.rmtree(aside, ignore_errors=True)
-    if target.exists():
-        target.rename(aside)
-    partial.rename(target)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _write_latest(save_dir: Path, tag: str) -> None:
     temp = save_dir / f".{_LATEST}.tmp"
     temp.write_text(tag)
@@ -192,7 +182,7 @@ def save_checkpoint(
         _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
     _barrier()
     if rank == 0:
-        _replace(partial, target)
+        replace_dir(partial, target)
         if save_latest:
             _write_latest(root, tag)
     _barrier()

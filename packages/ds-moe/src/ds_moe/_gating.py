@@ -77,6 +77,11 @@ def _count(ids: torch.Tensor, size: int) -> torch.Tensor:
     )
 
 
+def _count_routed(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Choices of each expert; unrouted ones (``-1``) are counted in an extra bin cut off."""
+    return _count(torch.where(experts >= 0, experts, num_experts), num_experts + 1)[:-1]
+
+
 def _rank_within_expert(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Each element's position among the elements of the same expert, in the given order.
 
@@ -159,10 +164,8 @@ def route(
     if used_token is not None:
         experts = experts.masked_fill(used_token.reshape(1, -1) == 0, -1)
     flat = experts.reshape(-1)
-    # Unrouted choices (-1) are counted in an extra bin that is cut off.
-    exp_counts = _count(torch.where(flat >= 0, flat, num_experts), num_experts + 1)[:-1]
-    first = experts[0]
-    first_share = _count(torch.where(first >= 0, first, num_experts), num_experts + 1)[:-1]
+    exp_counts = _count_routed(flat, num_experts)
+    first_share = _count_routed(experts[0], num_experts)
     me = gates.mean(dim=0)
     ce = first_share.to(gates.dtype) / max(num_tokens, 1)
     l_aux = torch.sum(me * ce) * num_experts

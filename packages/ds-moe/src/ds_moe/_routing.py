@@ -42,31 +42,31 @@ class _Combine(torch.autograd.Function):
         expert_out: torch.Tensor,
         weight: torch.Tensor,
         token_slot: torch.Tensor,
+        slot_token: torch.Tensor,
         slot_source: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.save_for_backward(expert_out, weight, token_slot, slot_source)
+        ctx.save_for_backward(expert_out, weight, token_slot, slot_token, slot_source)
         return ds_kernels.moe_combine(expert_out, token_slot, weight)
 
     @staticmethod
     @once_differentiable
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        expert_out, weight, token_slot, slot_source = ctx.saved_tensors
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        expert_out, weight, token_slot, slot_token, slot_source = ctx.saved_tensors
         grad = grad.contiguous()
         grad_expert = grad_weight = None
         if ctx.needs_input_grad[0]:
             # A slot's gradient is its token's gradient times the weight of the choice it holds.
-            k = token_slot.size(1)
-            filled = slot_source >= 0
             source = slot_source.clamp(min=0)
-            slot_token = torch.where(filled, source // k, -1)
-            slot_weight = weight.reshape(-1).index_select(0, source).masked_fill(~filled, 0.0)
+            slot_weight = (
+                weight.reshape(-1).index_select(0, source).masked_fill(slot_token < 0, 0.0)
+            )
             grad_expert = ds_kernels.moe_dispatch(grad, slot_token, slot_weight)
         if ctx.needs_input_grad[1]:
             grad_weight = ds_kernels.moe_combine_weight_grad(grad, expert_out, token_slot)
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_expert, grad_weight, None, None
+        return grad_expert, grad_weight, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,8 +91,13 @@ def dispatch(tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 def combine(expert_out: torch.Tensor, routing: Routing) -> torch.Tensor:
     """``[tokens, hidden]``: each token's expert outputs summed with its combine weights."""
-    weight = routing.combine_weight
-    return _Combine.apply(expert_out, weight, routing.token_slot, routing.slot_source)
+    return _Combine.apply(
+        expert_out,
+        routing.combine_weight,
+        routing.token_slot,
+        routing.slot_token,
+        routing.slot_source,
+    )
 
 
 def all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import ds_comm
 from ds_comm import CompressedAllReduce
+from ds_optim._multi_tensor import run_closure
 from ds_optim.api import ConfigError
 
 __all__ = [
@@ -297,10 +298,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         Args:
             closure: re-evaluates the model and returns the loss (optional).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for index, group in enumerate(self.param_groups):
             flat = self._flat_group(index)
             if flat is not None:

@@ -34,13 +34,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from ds_optim._lamb import _step_size, _trust_ratios
 from ds_optim._onebit_common import (
     FlatGroup,
     OneBitOptimizer,
     adam_denominator,
     check_int,
     check_number,
-    moment_correction,
 )
 from ds_optim.api import ConfigError
 
@@ -153,11 +153,9 @@ class OneBitLamb(OneBitOptimizer):
         update = exp_avg.div(adam_denominator(exp_avg_sq, 1.0, group["eps"], self.eps_inside_sqrt))
         if group["weight_decay"] > 0:
             update.add_(flat.gather_params(), alpha=group["weight_decay"])
-        weight_norms = torch.stack(torch._foreach_norm(flat.params)).float()
-        update_norms = flat.norms(update)
-        usable = (weight_norms > 0) & (update_norms > 0)
-        ratios = (weight_norms / update_norms).clamp_(group["min_coeff"], group["max_coeff"])
-        coeffs = torch.where(usable, ratios, 1.0)
+        coeffs = _trust_ratios(
+            flat.params, flat.views(update), group["min_coeff"], group["max_coeff"]
+        )
         frozen = flat.buffers["lamb_coeff_freeze"]
         averaged = frozen * self.coeff_beta + coeffs * (1 - self.coeff_beta)
         frozen.copy_(torch.where(coeffs != 1.0, averaged, frozen))
@@ -203,10 +201,3 @@ class OneBitLamb(OneBitOptimizer):
         coeffs = flat.buffers["lamb_coeff_freeze"] * factors
         flat.add_to_params(update, alpha=-_step_size(group, step), scales=coeffs)
         return coeffs
-
-
-def _step_size(group: dict[str, Any], step: int) -> float:
-    """``lr * sqrt(1 - beta2^t) / (1 - beta1^t)`` (``lr`` without bias correction)."""
-    beta1, beta2 = group["betas"]
-    corrections = moment_correction(group, beta2, step) ** 0.5
-    return group["lr"] * corrections / moment_correction(group, beta1, step)

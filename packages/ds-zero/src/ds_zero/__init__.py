@@ -3,7 +3,12 @@ reductions, CPU offload, elastic sharded checkpoints and memory accounting."""
 
 from __future__ import annotations
 
-from ds_zero._checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from ds_zero._checkpoint import (
+    load_sharded_checkpoint,
+    replace_dir,
+    save_fsynced,
+    save_sharded_checkpoint,
+)
 from ds_zero._memory import (
     estimate_model_states,
     estimate_zero2_model_states_mem_needs,
@@ -33,6 +38,8 @@ __all__ = [
     # checkpoints
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",
+    "save_fsynced",
+    "replace_dir",
     # memory
     "MemoryBreakdown",
     "estimate_model_states",

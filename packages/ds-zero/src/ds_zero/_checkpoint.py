@@ -204,7 +204,8 @@ def _barrier(pg: Any) -> None:
         ds_comm.barrier(group=pg)
 
 
-def _save(obj: Any, path: Path) -> None:
+def save_fsynced(obj: Any, path: Path) -> None:
+    """``torch.save`` ``obj`` to ``path`` and fsync it, so a later rename publishes whole bytes."""
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -245,11 +246,11 @@ def save_sharded_checkpoint(
     files = _state_files(optimizer)
     writes = rank < len(files)  # unsharded state is the same on every rank: rank 0 writes it
     if writes:
-        _save(state, partial / _rank_file(rank))
+        save_fsynced(state, partial / _rank_file(rank))
     _barrier(pg)
     if rank == 0:
         if client_state is not None:
-            _save(dict(client_state), partial / _CLIENT)
+            save_fsynced(dict(client_state), partial / _CLIENT)
         metadata = {
             "format": FORMAT,
             "stage": optimizer.config.stage,
@@ -259,7 +260,7 @@ def save_sharded_checkpoint(
             "layout": state["layout"],
         }
         (partial / _METADATA).write_text(json.dumps(metadata, indent=1))
-        _replace_dir(partial, target)
+        replace_dir(partial, target)
     _barrier(pg)
     return target
 
@@ -270,7 +271,9 @@ def _state_files(optimizer: ZeroOptimizer) -> list[str]:
     return [_rank_file(r) for r in range(optimizer.world_size if per_rank else 1)]
 
 
-def _replace_dir(partial: Path, target: Path) -> None:
+def replace_dir(partial: Path, target: Path) -> None:
+    """Move the finished directory ``partial`` onto ``target``, replacing any old one, and fsync the
+    parent. See [Note: atomic checkpoint directories]."""
     aside = target.with_name(f".{target.name}.old")
     shutil.rmtree(aside, ignore_errors=True)
     if target.exists():
