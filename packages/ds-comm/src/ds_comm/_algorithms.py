@@ -149,6 +149,7 @@ class Pending:
         if self._finish is not None:
             self._finish()
         self._done = True
+        self._works, self._finish = [], None  # see [Note: waited work objects]
         return True
 
     def is_completed(self) -> bool:
@@ -178,12 +179,17 @@ class WaitOnce:
         if not self._waited:
             self._work.wait() if timeout is None else self._work.wait(timeout)
             self._waited = True
+            self._work = None  # see [Note: waited work objects]
         return True
 
     def is_completed(self) -> bool:
         return self._waited or self._work.is_completed()
 
     def get_future(self) -> Any:
+        if self._work is None:
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            future.set_result(None)
+            return future
         return self._work.get_future()
 
 

@@ -255,7 +255,14 @@ def failed(rec: CallRecord, exc: BaseException) -> None:
 
 
 class TrackedWork:
-    """An async work handle whose ``wait()`` completes the call's record (timing, logging)."""
+    """An async work handle whose ``wait()`` completes the call's record (timing, logging).
+
+    [Note: waited work objects]
+    Once waited, a handle drops the backend's work object. Callers keep handles longer than the
+    process group (an optimizer's list of reductions, destroyed with the optimizer after
+    ``destroy_process_group()``), and a gloo work object destroyed after its group aborts the
+    process at exit ("terminate called without an active exception").
+    """
 
     def __init__(
         self, work: Any, rec: CallRecord, finish: Callable[[], None] | None = None
@@ -278,6 +285,7 @@ class TrackedWork:
             failed(self._rec, exc)
             raise
         self._done = True
+        self._work = self._finish = None  # see [Note: waited work objects]
         end(self._rec)
         return True
 
@@ -285,11 +293,16 @@ class TrackedWork:
         return self._done or (self._work is None or self._work.is_completed())
 
     def get_future(self) -> Any:
+        if self._work is None:  # waited already: a completed future
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            future.set_result(None)
+            return future
         return self._work.get_future()
 
     def result(self) -> Any:
+        """Wait; the output lives in the tensors the call was given (None is returned)."""
         self.wait()
-        return self._work.result() if self._work is not None else None
+        return None
 
 
 def tracked(
