@@ -1,5 +1,6 @@
-"""ZeRO stages 0-2 over a data-parallel group: sharded optimizer state and gradients, overlapped
-reductions, CPU offload, elastic sharded checkpoints and memory accounting."""
+"""ZeRO stages 0-3 over a data-parallel group: sharded optimizer state, gradients and (stage 3)
+parameters, overlapped reductions, prefetched gathers, CPU/NVMe offload, reshardable sharded
+checkpoints and memory accounting."""
 
 from __future__ import annotations
 
@@ -8,19 +9,39 @@ from ds_zero._checkpoint import (
     replace_dir,
     save_fsynced,
     save_sharded_checkpoint,
+    verify_checkpoint,
 )
+from ds_zero._consolidate import consolidate, iter_fp32_tensors
+from ds_zero._factory import build_zero_optimizer
+from ds_zero._init import (
+    GatheredParameters,
+    Init,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from ds_zero._manifest import CheckpointError
 from ds_zero._memory import (
     estimate_model_states,
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
     model_states_table,
 )
 from ds_zero._optimizer import ZeroOptimizer
+from ds_zero._param_offload import NvmeShardStore
+from ds_zero._partitioned import GatherHandle, ParamPartitioner, ShardStore, ZeroParamStatus
+from ds_zero._safetensors import export_safetensors
+from ds_zero._shards import ShardLookup, TensorShard
+from ds_zero._stage3 import PrefetchStats
+from ds_zero._stage3_optimizer import Stage3Optimizer
 from ds_zero.api import (
     ConfigError,
     MemoryBreakdown,
     OffloadOptimizerConfig,
+    OffloadParamConfig,
     TensorSwapper,
     ZeroConfig,
 )
@@ -31,15 +52,36 @@ __all__ = [
     # config
     "ZeroConfig",
     "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "ConfigError",
     # training
     "ZeroOptimizer",
     "TensorSwapper",
+    # stage 3
+    "Stage3Optimizer",
+    "build_zero_optimizer",
+    "PrefetchStats",
+    "ParamPartitioner",
+    "ZeroParamStatus",
+    "GatherHandle",
+    "ShardStore",
+    "Init",
+    "GatheredParameters",
+    "register_external_parameter",
+    "unregister_external_parameter",
+    "NvmeShardStore",
     # checkpoints
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",
     "save_fsynced",
     "replace_dir",
+    "verify_checkpoint",
+    "CheckpointError",
+    "TensorShard",
+    "ShardLookup",
+    "consolidate",
+    "iter_fp32_tensors",
+    "export_safetensors",
     # memory
     "MemoryBreakdown",
     "estimate_model_states",
@@ -47,5 +89,8 @@ __all__ = [
     "estimate_zero2_model_states_mem_needs",
     "estimate_zero2_model_states_mem_needs_all_cold",
     "estimate_zero2_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
     "__version__",
 ]

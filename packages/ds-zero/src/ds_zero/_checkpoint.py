@@ -1,23 +1,35 @@
-"""Sharded checkpoints: each rank saves only its partition plus the layout needed to re-partition
-it, and a checkpoint saved on N ranks loads on M.
-
-[Note: resharding a checkpoint]
-A rank's state holds its fp32 master partition, the optimizer's state (partition-sized tensors
-such as Adam's moments, and scalars such as ``step``) and the layout that produced them: per
-group, its units' padded sizes and each parameter's name, shape and offset. Loading on the same
-world size with the same layout takes the rank's own file. Otherwise (``elastic_checkpoint``)
-every old partition is read, each parameter's slice is cut out of the old units by name, and the
-new partition is assembled from those slices for the new layout, so the world size, the bucket
-sizes and even the parameter order may differ between save and load. Scalar state must be
-identical on every rank (it is, as every rank steps the same number of times) and is taken from
-rank 0. Optimizer state that is neither a scalar nor partition-sized cannot be resharded and is
-an error (ZeRO needs an elementwise optimizer).
+"""Sharded checkpoints: each rank writes only what it holds, rank 0 writes a manifest, and any
+world size and ZeRO stage loads it (see [Note: universal checkpoint manifest]).
 
 [Note: atomic checkpoint directories]
-Ranks write into ``.<name>.partial`` next to the target; after a barrier rank 0 adds
-``metadata.json`` and renames the directory into place (a previous checkpoint of that name is
-moved aside first and then removed), so a crash leaves either the old checkpoint or the new one,
-never a mix. All ranks must see the same file system, as with DeepSpeed.
+Ranks write into ``.<name>.partial`` next to the target; after every rank's file is written rank
+0 adds the scalars, the client state and ``manifest.json`` and renames the directory into place
+(a previous checkpoint of that name is moved aside first and then removed), so a crash leaves
+either the old checkpoint or the new one, never a mix. All ranks must see the same file system,
+as with DeepSpeed.
+
+[Note: universal save and load]
+Saving asks the optimizer for its :class:`~ds_zero._shards.TensorShard` records
+(``checkpoint_shards()``, or ``_zero_shards`` for a :class:`~ds_zero.ZeroOptimizer`), writes
+their values into the rank's file, gathers every rank's piece list with one
+``all_gather_object`` and checks that the pieces cover every tensor exactly once before anything
+is published. Loading verifies files and coverage first (every rank the same verdict, so ranks
+fail together instead of hanging), then hands the optimizer a lookup of any element range
+(``load_checkpoint_shards(lookup)``), which reads only the pages holding that range. Scalars
+(param-group hyper-parameters, scalar optimizer state such as ``step``, the loss scaler and the
+step counters) are identical on every rank and saved once, by rank 0, in ``scalars.pt``.
+
+[Note: resharding a checkpoint]
+The per-rank format (``metadata.json`` + ``zero_rank{r:05d}.pt``, each a
+:meth:`ZeroOptimizer.state_dict`) is still written for optimizers whose param groups have their
+own process groups (MoE experts: ranks hold different values under the same names) and read
+for directories saved by earlier releases. A rank's state holds its fp32 master partition, the
+optimizer's state and the layout that produced them: per group, its units' padded sizes and each
+parameter's name, shape and offset. Loading on the same world size with the same layout takes
+the rank's own file. Otherwise (``elastic_checkpoint``) every old partition is read, each
+parameter's slice is cut out of the old units by name and the new partition is assembled.
+Scalar state is taken from rank 0. Optimizer state that is neither a scalar nor
+partition-sized cannot be resharded and is an error (ZeRO needs an elementwise optimizer).
 """
 
 from __future__ import annotations
@@ -34,6 +46,19 @@ import torch
 import torch.distributed as dist
 
 import ds_comm
+from ds_zero._manifest import (
+    MANIFEST,
+    CheckpointError,
+    ShardReader,
+    build_manifest,
+    coverage_problems,
+    file_problems,
+    read_manifest,
+    shard_file,
+    write_hashed,
+    write_manifest,
+)
+from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero.api import ConfigError
 
 if TYPE_CHECKING:
@@ -42,13 +67,19 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "load_sharded_checkpoint",
+    "replace_dir",
     "resolve_states",
+    "restore_scalar_state",
+    "save_fsynced",
     "save_sharded_checkpoint",
+    "scalar_state",
+    "verify_checkpoint",
 ]
 
 FORMAT = "ds_zero.sharded/1"
 _METADATA = "metadata.json"
 _CLIENT = "client_state.pt"
+_SCALARS = "scalars.pt"
 
 
 def _rank_file(rank: int) -> str:
@@ -212,65 +243,6 @@ def save_fsynced(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save_sharded_checkpoint(
-    path: str | os.PathLike[str],
-    optimizer: ZeroOptimizer,
-    *,
-    client_state: Mapping[str, Any] | None = None,
-) -> Path:
-    """Save every rank's partition into the directory ``path``, atomically.
-
-    Every rank of the data-parallel group must call it. See [Note: atomic checkpoint
-    directories].
-
-    Args:
-        path: the checkpoint directory (replaced if it exists).
-        optimizer: the :class:`~ds_zero.ZeroOptimizer` to save.
-        client_state: anything else to keep (saved once, by rank 0): tensors and plain Python
-            values only, since loading never unpickles code (``weights_only=True``).
-
-    Returns:
-        The checkpoint directory.
-
-    Example:
-        >>> save_sharded_checkpoint("ckpt/step100", zero_opt, client_state={"step": 100})
-    """
-    target = Path(path)
-    partial = target.with_name(f".{target.name}.partial")
-    rank, pg = optimizer.rank, optimizer.group
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier(pg)
-    state = optimizer.state_dict()
-    files = _state_files(optimizer)
-    writes = rank < len(files)  # unsharded state is the same on every rank: rank 0 writes it
-    if writes:
-        save_fsynced(state, partial / _rank_file(rank))
-    _barrier(pg)
-    if rank == 0:
-        if client_state is not None:
-            save_fsynced(dict(client_state), partial / _CLIENT)
-        metadata = {
-            "format": FORMAT,
-            "stage": optimizer.config.stage,
-            "world_size": optimizer.world_size,
-            "num_shards": optimizer.num_shards,
-            "files": files,
-            "layout": state["layout"],
-        }
-        (partial / _METADATA).write_text(json.dumps(metadata, indent=1))
-        replace_dir(partial, target)
-    _barrier(pg)
-    return target
-
-
-def _state_files(optimizer: ZeroOptimizer) -> list[str]:
-    """One file per rank when ranks hold different state (sharded, or own process groups)."""
-    per_rank = optimizer.num_shards > 1 or optimizer.own_groups
-    return [_rank_file(r) for r in range(optimizer.world_size if per_rank else 1)]
-
-
 def replace_dir(partial: Path, target: Path) -> None:
     """Move the finished directory ``partial`` onto ``target``, replacing any old one, and fsync the
     parent. See [Note: atomic checkpoint directories]."""
@@ -287,24 +259,311 @@ def replace_dir(partial: Path, target: Path) -> None:
         os.close(fd)
 
 
-def load_sharded_checkpoint(
-    path: str | os.PathLike[str], optimizer: ZeroOptimizer
-) -> dict[str, Any] | None:
-    """Load a directory written by :func:`save_sharded_checkpoint`, on any world size.
+def _topology(optimizer: Any) -> tuple[int, int, Any]:
+    """``(rank, world_size, group)`` of the optimizer's data-parallel group."""
+    group = getattr(optimizer, "group", None)
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, None
+    rank = getattr(optimizer, "rank", None)
+    world = getattr(optimizer, "world_size", None)
+    if rank is None or world is None:
+        rank, world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+    return int(rank), int(world), group
 
-    Reads only this rank's file when the world size and layout match; otherwise every rank file
-    is read and re-partitioned (needs ``elastic_checkpoint``). Every rank must call it.
+
+def _all_gather_object(obj: Any, group: Any, world_size: int) -> list[Any]:
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+# --- what an optimizer holds -----------------------------------------------------------------------
+
+
+def _is_legacy(optimizer: Any) -> bool:
+    """ZeroOptimizers with per-group process groups keep the per-rank format."""
+    return bool(getattr(optimizer, "own_groups", False))
+
+
+def _shards_of(optimizer: Any) -> list[TensorShard]:
+    if not hasattr(optimizer, "checkpoint_shards"):
+        raise TypeError(
+            f"a {type(optimizer).__name__} cannot be saved as a sharded checkpoint: pass a "
+            "ZeRO optimizer (or an object with checkpoint_shards() and "
+            "load_checkpoint_shards(lookup))"
+        )
+    return list(optimizer.checkpoint_shards())
+
+
+def _load_shards(optimizer: Any, lookup: ShardLookup) -> None:
+    if not hasattr(optimizer, "load_checkpoint_shards"):
+        raise TypeError(
+            f"a {type(optimizer).__name__} cannot load a sharded checkpoint: pass a ZeRO "
+            "optimizer (or an object with checkpoint_shards() and load_checkpoint_shards(lookup))"
+        )
+    optimizer.load_checkpoint_shards(lookup)
+
+
+_COUNTERS = ("micro_steps", "global_steps", "skipped_steps")
+
+
+def scalar_state(optimizer: Any) -> dict[str, Any]:
+    """What is the same on every rank: each param group's hyper-parameters and scalar optimizer
+    state (``step``), the loss scaler's state and the step counters."""
+    inner = getattr(optimizer, "optimizer", None)
+    groups = []
+    for group in optimizer.param_groups:
+        scalars: dict[str, Any] = {}
+        for p in group["params"] if inner is not None else ():
+            for key, value in inner.state.get(p, {}).items():
+                if not torch.is_tensor(value):
+                    scalars.setdefault(key, value)
+                elif value.dim() == 0:
+                    scalars.setdefault(key, value.detach().to("cpu", copy=True))
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({"hyper": hyper, "state": scalars})
+    scaler = getattr(optimizer, "loss_scaler", None)
+    return {
+        "param_groups": groups,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "counters": {k: int(getattr(optimizer, k)) for k in _COUNTERS if hasattr(optimizer, k)},
+    }
+
+
+def restore_scalar_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
+    """Put :func:`scalar_state` back (after the optimizer's elementwise state was loaded)."""
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(groups)} parameter groups, the optimizer has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the groups it was saved with"
+        )
+    inner = getattr(optimizer, "optimizer", None)
+    for group, entry in zip(optimizer.param_groups, groups):
+        group.update(entry["hyper"])
+        for p in group["params"] if inner is not None and entry["state"] else ():
+            state = inner.state[p]
+            for key, value in entry["state"].items():
+                state[key] = value.clone() if torch.is_tensor(value) else value
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is not None and saved.get("loss_scaler") is not None:
+        scaler.load_state_dict(saved["loss_scaler"])
+    for key, value in saved.get("counters", {}).items():
+        if hasattr(optimizer, key):
+            setattr(optimizer, key, int(value))
+
+
+def _names_and_aliases(optimizer: Any) -> tuple[list[str], dict[str, str]]:
+    """Parameter names in model order, and each tied name's first name."""
+    module = getattr(optimizer, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        return [], {}
+    first: dict[int, str] = {}
+    order, aliases = [], {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+            order.append(name)
+    return order, aliases
+
+
+# --- save ------------------------------------------------------------------------------------------
+
+
+def save_sharded_checkpoint(
+    path: str | os.PathLike[str],
+    optimizer: Any,
+    *,
+    client_state: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save every rank's shards into the directory ``path``, atomically, with a verified manifest.
+
+    Every rank of the data-parallel group must call it. See [Note: universal save and load] and
+    [Note: atomic checkpoint directories].
+
+    Args:
+        path: the checkpoint directory (replaced if it exists).
+        optimizer: a :class:`~ds_zero.ZeroOptimizer`, or any object with
+            ``checkpoint_shards()`` and ``load_checkpoint_shards(lookup)`` (stage 3).
+        client_state: anything else to keep (saved once, by rank 0): tensors and plain Python
+            values only, since loading never unpickles code (``weights_only=True``).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        CheckpointError: the ranks' pieces do not cover every tensor exactly once (nothing is
+            published then).
+
+    Example:
+        >>> save_sharded_checkpoint("ckpt/step100", zero_opt, client_state={"step": 100})
+    """
+    target = Path(path)
+    if _is_legacy(optimizer):
+        return _save_per_rank(target, optimizer, client_state)
+    partial = target.with_name(f".{target.name}.partial")
+    rank, world, pg = _topology(optimizer)
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(pg)
+    values: dict[str, torch.Tensor] = {}
+    pieces = []
+    for i, shard in enumerate(_shards_of(optimizer)):
+        if shard.numel <= 0:
+            continue
+        for value, tensor in shard.values.items():
+            values[f"p{i}/{value}"] = tensor.detach().to("cpu", torch.float32, copy=True)
+        pieces.append(
+            {
+                "name": shard.name,
+                "shape": list(shard.shape),
+                "dtype": str(shard.dtype),
+                "values": sorted(shard.values),
+                "key": f"p{i}",
+                "start": shard.start,
+                "stop": shard.stop,
+            }
+        )
+    record = write_hashed(values, partial / shard_file(rank))
+    del values
+    payload = {"file": shard_file(rank), **record, "pieces": pieces}
+    payloads = _all_gather_object(payload, pg, world)
+    order, aliases = _names_and_aliases(optimizer)
+    stage = getattr(getattr(optimizer, "config", None), "stage", None)
+    manifest: dict[str, Any] = {}
+    try:  # the same verdict on every rank: all raise together
+        manifest = build_manifest(payloads, stage=stage, order=order, aliases=aliases)
+        problems = coverage_problems(manifest)
+    except CheckpointError as exc:
+        problems = [str(exc)]
+    if problems:
+        _barrier(pg)
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(_unusable(target, problems, "was not saved"))
+    if rank == 0:
+        manifest["files"][_SCALARS] = write_hashed(scalar_state(optimizer), partial / _SCALARS)
+        if client_state is not None:
+            manifest["files"][_CLIENT] = write_hashed(dict(client_state), partial / _CLIENT)
+        write_manifest(manifest, partial / MANIFEST)
+        replace_dir(partial, target)
+    _barrier(pg)
+    return target
+
+
+def _unusable(path: Path, problems: list[str], verdict: str) -> str:
+    shown = problems[:8]
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return f"checkpoint {str(path)!r} {verdict}:\n  " + "\n  ".join(shown) + more
+
+
+def _save_per_rank(
+    target: Path, optimizer: ZeroOptimizer, client_state: Mapping[str, Any] | None
+) -> Path:
+    """The per-rank format (see [Note: resharding a checkpoint])."""
+    partial = target.with_name(f".{target.name}.partial")
+    rank, pg = optimizer.rank, optimizer.group
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(pg)
+    state = optimizer.state_dict()
+    save_fsynced(state, partial / _rank_file(rank))
+    _barrier(pg)
+    if rank == 0:
+        if client_state is not None:
+            save_fsynced(dict(client_state), partial / _CLIENT)
+        metadata = {
+            "format": FORMAT,
+            "stage": optimizer.config.stage,
+            "world_size": optimizer.world_size,
+            "num_shards": optimizer.num_shards,
+            "files": [_rank_file(r) for r in range(optimizer.world_size)],
+            "layout": state["layout"],
+        }
+        (partial / _METADATA).write_text(json.dumps(metadata, indent=1))
+        replace_dir(partial, target)
+    _barrier(pg)
+    return target
+
+
+# --- load ------------------------------------------------------------------------------------------
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:
+    """Check a checkpoint directory: every file present with its size and checksum, every element
+    of every tensor covered exactly once. With a process group each rank hashes a share of the
+    files and every rank gets the same verdict (every rank must call it then).
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: naming each tensor, element range and file that is lost.
+
+    Example:
+        >>> verify_checkpoint("ckpt/step100")["world_size"]
+    """
+    source = Path(path)
+    manifest = read_manifest(source)
+    if dist.is_available() and dist.is_initialized():
+        rank, world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+    else:
+        rank, world = 0, 1
+    problems = file_problems(source, manifest, rank=rank, world_size=world)
+    problems = [p for share in _all_gather_object(problems, group, world) for p in share]
+    problems += coverage_problems(manifest)
+    if problems:
+        raise CheckpointError(_unusable(source, problems, "cannot be loaded"))
+    return manifest
+
+
+def load_sharded_checkpoint(path: str | os.PathLike[str], optimizer: Any) -> dict[str, Any] | None:
+    """Load a directory written by :func:`save_sharded_checkpoint`, on any world size and stage.
+
+    The directory is verified first (:func:`verify_checkpoint`); then each rank reads just the
+    element ranges it holds. With ``load_from_fp32_weights`` (the default) the model's parameters
+    are rebuilt from the saved fp32 masters, so the checkpoint restores the model too. Every rank
+    must call it.
 
     Returns:
         The ``client_state`` saved with the checkpoint, or None.
+
+    Raises:
+        CheckpointError: the directory is partial, corrupted or duplicated, or does not fit.
 
     Example:
         >>> client = load_sharded_checkpoint("ckpt/step100", zero_opt)
     """
     source = Path(path)
+    if (source / _METADATA).is_file() and not (source / MANIFEST).is_file():
+        return _load_per_rank(source, optimizer)
+    if _is_legacy(optimizer):
+        raise CheckpointError(
+            f"{str(source)!r} is a universal checkpoint, but param groups with their own process "
+            "groups (MoE experts) load only from the per-rank format they save"
+        )
+    _, _, pg = _topology(optimizer)
+    manifest = verify_checkpoint(source, group=pg)
+    reader = ShardReader(source, manifest)
+    try:
+        _load_shards(optimizer, reader.lookup)
+    finally:
+        reader.close()
+    restore_scalar_state(optimizer, torch.load(source / _SCALARS, weights_only=True))
+    client = source / _CLIENT
+    return torch.load(client, map_location="cpu", weights_only=True) if client.exists() else None
+
+
+def _load_per_rank(source: Path, optimizer: ZeroOptimizer) -> dict[str, Any] | None:
     metadata = json.loads((source / _METADATA).read_text())
     if metadata.get("format") != FORMAT:
-        raise ValueError(f"{source} is not a ds-zero sharded checkpoint")
+        raise CheckpointError(f"{source} is not a ds-zero sharded checkpoint")
     same = metadata["num_shards"] == optimizer.num_shards and metadata["layout"] == [
         g.describe() for g in optimizer.groups
     ]

@@ -1,5 +1,5 @@
 """Memory estimators: bytes per rank for model states under each stage, and DeepSpeed's ZeRO-2
-estimators with its formulas.
+and ZeRO-3 estimators with its formulas.
 
 [Note: model-state bytes per parameter]
 With ``P`` bytes per model parameter (4 for fp32, 2 for bf16/fp16), ``K`` bytes of optimizer
@@ -32,6 +32,9 @@ __all__ = [
     "estimate_zero2_model_states_mem_needs",
     "estimate_zero2_model_states_mem_needs_all_cold",
     "estimate_zero2_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
     "model_states_table",
 ]
 
@@ -179,4 +182,131 @@ def estimate_zero2_model_states_mem_needs_all_live(
     total = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
     return estimate_zero2_model_states_mem_needs_all_cold(
         total, num_gpus_per_node, num_nodes, additional_buffer_factor
+    )
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    """Elements of a parameter, also when stage 3 partitioned it (``ds_numel``)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def model_to_params(model: torch.nn.Module) -> tuple[int, int]:
+    """``(total parameters, parameters of the largest module)`` as DeepSpeed counts them: shared
+    parameters once, a module's own parameters (not its children's) as a layer. Works on a
+    stage 3 model too (partitioned parameters count their full ``ds_numel``).
+
+    Example:
+        >>> model_to_params(torch.nn.Linear(4, 2))
+        (10, 10)
+    """
+    total = sum({id(p): _numel(p) for p in model.parameters()}.values())
+    largest = max(
+        (sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+    )
+    return total, largest
+
+
+def estimate_zero3_model_states_mem_needs(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
+    """DeepSpeed's ZeRO-3 estimate: ``(cpu bytes per node, gpu bytes per GPU, largest layer
+    bytes)``, the three values DeepSpeed's function returns.
+
+    A GPU always holds the largest layer gathered in fp32-sized working memory (``4 *
+    largest_layer_params``). Without offload it also holds ``18/N`` bytes per parameter (16-bit
+    parameter and gradient shards, fp32 master and Adam's moments); with ``offload_optimizer``
+    only the 16-bit parameter shard (``2/N``) stays, and with ``offload_param`` too nothing
+    does. The CPU holds what was offloaded (18 or 16 bytes per parameter per node), or, when
+    the model is built without ``zero.Init``, at least one fp32 copy of the model per GPU of the
+    node; figures are padded by ``additional_buffer_factor``.
+
+    Example:
+        >>> cpu, gpu, layer = estimate_zero3_model_states_mem_needs(10**9, 10**8, 8)
+    """
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        per_param = 18 if cpu_offload_params else 16
+        gpu = largest_layer_memory
+        if not cpu_offload_params:
+            gpu += int(2 * total_params / total_gpus)
+        factor = per_param * gpus_factor
+        if not zero_init:
+            factor = max(4 * num_gpus_per_node, factor)
+        cpu = total_params * factor * additional_buffer_factor
+    else:
+        gpu = largest_layer_memory + int(18 * total_params / total_gpus)
+        loaded = largest_layer_params if zero_init else total_params
+        cpu = loaded * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu), largest_layer_memory
+
+
+def estimate_zero3_model_states_mem_needs_all_cold(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> str:
+    """Print (and return) DeepSpeed's ZeRO-3 estimate table for a hypothetical model size: one
+    row per combination of ``offload_param``, ``offload_optimizer`` and ``zero_init``.
+
+    Example:
+        >>> _ = estimate_zero3_model_states_mem_needs_all_cold(13 * 10**9, 325 * 10**6, 8)
+    """
+    nodes = "nodes" if num_nodes > 1 else "node"
+    gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
+    lines = [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.",
+        f"SW: Model with {int(total_params / 1e6)}M total params, "
+        f"{int(largest_layer_params / 1e6)}M largest layer params.",
+        "  per CPU  |  per GPU |   Options",
+    ]
+    for cpu_offload, cpu_offload_params in ((True, True), (True, False), (False, False)):
+        for zero_init in (True, False):
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                total_params,
+                largest_layer_params,
+                num_gpus_per_node,
+                num_nodes,
+                cpu_offload,
+                cpu_offload_params,
+                zero_init,
+                additional_buffer_factor,
+            )
+            options = (
+                f"offload_param={'cpu ' if cpu_offload_params else 'none'}, "
+                f"offload_optimizer={'cpu ' if cpu_offload else 'none'}, "
+                f"zero_init={int(zero_init)}"
+            )
+            lines.append(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {options}")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def estimate_zero3_model_states_mem_needs_all_live(
+    model: torch.nn.Module,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+) -> str:
+    """:func:`estimate_zero3_model_states_mem_needs_all_cold` for a real model (counted by
+    :func:`model_to_params`, so a model already partitioned by stage 3 works too).
+
+    Example:
+        >>> _ = estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=8)
+    """
+    total, largest = model_to_params(model)
+    return estimate_zero3_model_states_mem_needs_all_cold(
+        total, largest, num_gpus_per_node, num_nodes, additional_buffer_factor
     )

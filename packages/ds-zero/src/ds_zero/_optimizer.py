@@ -41,6 +41,9 @@ from ds_zero._gather import gather_partition
 from ds_zero._layout import FlatGroup, build_layout
 from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
 from ds_zero._reduce import GradReducer, ReduceContext
+from ds_zero._shards import ShardLookup, TensorShard
+from ds_zero._window import AccumulationWindow
+from ds_zero._zero_shards import zero_checkpoint_shards, zero_load_checkpoint_shards
 from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
 __all__ = ["ZeroOptimizer"]
@@ -93,7 +96,7 @@ def _trainable_groups(
     return groups
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(AccumulationWindow):
     """ZeRO stage 0/1/2 around ``model`` and ``optimizer`` over a data-parallel group.
 
     The model's trainable parameters become views into flat per-group buffers, the optimizer's
@@ -125,6 +128,11 @@ class ZeroOptimizer:
         communication_data_type: dtype the gradient collectives run in (``torch.float32``,
             ``float16``, ``bfloat16`` or DeepSpeed's ``"fp32"``/``"fp16"``/``"bf16"``; None: the
             gradients' dtype); the result is cast back into the gradient storage.
+        norm_group: a further process group over which the squared gradient norm is summed:
+            the pipeline (or model-parallel) group, whose ranks hold different parameters, so
+            that clipping and overflow skips use the norm of the whole model on every rank.
+        norm_exclude: parameters left out of this rank's share of the norm because another
+            rank of ``norm_group`` counts them (a pipeline's tied embedding held by two stages).
 
     Example:
         >>> zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -148,6 +156,8 @@ class ZeroOptimizer:
         param_group_process_groups: Sequence[Any] | None = None,
         gradient_predivide_factor: float | None = None,
         communication_data_type: torch.dtype | str | None = None,
+        norm_group: Any = None,
+        norm_exclude: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
         if gradient_predivide_factor is not None and not (0 < gradient_predivide_factor < math.inf):
@@ -185,6 +195,8 @@ class ZeroOptimizer:
             bucket_numel=self.config.reduce_bucket_size,
         )
         self._contexts = contexts
+        self.norm_group = norm_group
+        self._norm_exclude = _excluded_ranges(self.groups, norm_exclude, self.shard_rank)
         self._broadcast_params()
         self.reducer = GradReducer(
             self.groups,
@@ -256,48 +268,31 @@ class ZeroOptimizer:
         for index, param_group in enumerate(self.optimizer.param_groups):
             param_group["params"] = [next(masters)] if trainable[index] else []
 
-    # --- accumulation boundary ------------------------------------------------------------------
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``backward()`` completes the accumulation window: its gradients are
-        reduced (stages 0/1) and the ``step()`` after it steps."""
-        if self._boundary is not None:
-            return self._boundary
-        return self._window + 1 >= self.gradient_accumulation_steps
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """Override the boundary (pipeline schedules, ``no_sync``); None returns to counting
-        backward passes. The override decides both whether backward reduces (stages 0/1) and
-        whether ``step()`` steps."""
-        self._boundary = is_boundary
-
-    @property
-    def boundary_override(self) -> bool | None:
-        """The value set by :meth:`set_gradient_accumulation_boundary` (None: counting)."""
-        return self._boundary
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without a loss scaler)."""
-        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's param groups (for LR schedulers)."""
-        return self.optimizer.param_groups
-
     # --- backward and step -----------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        retain_graph: bool = False,
+        grad_tensors: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         """Backpropagate ``loss * loss_scale / gradient_accumulation_steps`` and reduce gradients.
 
-        Stage 2 reduces in every micro-batch; stages 0/1 only at the accumulation boundary.
+        Stage 2 reduces in every micro-batch; stages 0/1 only at the accumulation boundary. With
+        ``grad_tensors`` (a pipeline stage that received the gradients of its outputs), ``loss``
+        is those outputs and the gradients are used as given: they carry the scaling already.
         """
         reduce = self.config.shard_gradients or self.is_gradient_accumulation_boundary()
         scale = self.loss_scale / self.gradient_accumulation_steps
         self.reducer.begin(reduce)
         try:
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            if grad_tensors is not None:
+                outputs = [loss] if torch.is_tensor(loss) else list(loss)
+                torch.autograd.backward(outputs, list(grad_tensors), retain_graph=retain_graph)
+            else:
+                assert torch.is_tensor(loss)
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self.reducer.finish()
         except BaseException:
             self.reducer.abort()
@@ -313,8 +308,7 @@ class ZeroOptimizer:
         Returns:
             True when the step was skipped because gradients overflowed (on every rank).
         """
-        due = self._window >= self.gradient_accumulation_steps
-        if not (self._boundary if self._boundary is not None else due):
+        if not self._step_due():
             return False
         self._window = 0
         self.reducer.flush()
@@ -345,6 +339,8 @@ class ZeroOptimizer:
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         """The L2 norm of every rank's gradients, each element counted once."""
         sharded = self.config.shard_optimizer_state and self.world_size > 1
+        if self.norm_group is not None or self._norm_exclude:
+            return self._norm_across_groups(grads, sharded)
         if sharded or not self.own_groups or self.world_size == 1:
             # ds-optim reads group=None as "nothing to reduce": name the default group.
             norm_group = (self.group or dist.group.WORLD) if sharded else None
@@ -357,6 +353,28 @@ class ZeroOptimizer:
         squares = squares.to(grads[0].device)
         ds_comm.all_reduce(squares, group=self.group)
         return float(squares.sqrt())
+
+    def _norm_across_groups(self, grads: Sequence[torch.Tensor], sharded: bool) -> float:
+        """The norm summed over the data-parallel group and ``norm_group``, without the
+        excluded parameters' elements (see ``norm_group``/``norm_exclude``)."""
+        squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        for grad, ctx, excluded in zip(grads, self._contexts, self._norm_exclude_by_group()):
+            part = grad.double().pow(2).sum()
+            for start, length in excluded:
+                part -= grad.narrow(0, start, length).double().pow(2).sum()
+            # Stage 0 replicates a group over its own process group: count each replica once.
+            squares += part if sharded or not self.own_groups else part / ctx.world_size
+        if self.world_size > 1 and (sharded or self.own_groups):
+            ds_comm.all_reduce(squares, group=self.group)
+        if self.norm_group is not None:
+            ds_comm.all_reduce(squares, group=self.norm_group)
+        return float(squares.clamp(min=0).sqrt()) if squares.isfinite() else float(squares)
+
+    def _norm_exclude_by_group(self) -> list[list[tuple[int, int]]]:
+        by_group: list[list[tuple[int, int]]] = [[] for _ in self.groups]
+        for group_index, start, length in self._norm_exclude:
+            by_group[group_index].append((start, length))
+        return by_group
 
     def _master_grad(self, group: FlatGroup) -> torch.Tensor:
         """The fp32 gradient of ``group``'s master partition (see [Note: one step])."""
@@ -504,6 +522,16 @@ class ZeroOptimizer:
         self.skipped_steps = int(counters.get("skipped_steps", 0))
         self.reducer.zero()
 
+    def checkpoint_shards(self) -> list[TensorShard]:
+        """What this rank holds, per parameter range, for a universal checkpoint (see
+        [Note: tensor shards of the flat layout])."""
+        return zero_checkpoint_shards(self)
+
+    def load_checkpoint_shards(self, lookup: ShardLookup) -> None:
+        """Fill this rank's masters, optimizer state and parameters from ``lookup`` (a
+        checkpoint of any world size or stage)."""
+        zero_load_checkpoint_shards(self, lookup)
+
     # --- memory ----------------------------------------------------------------------------------
 
     def memory_breakdown(self) -> MemoryBreakdown:
@@ -535,6 +563,28 @@ class ZeroOptimizer:
             buffers=staging,
             host=host + grads_host,
         )
+
+
+def _excluded_ranges(
+    groups: Sequence[FlatGroup], params: Sequence[torch.nn.Parameter], shard_rank: int
+) -> list[tuple[int, int, int]]:
+    """``(group, start, length)`` of each excluded parameter's elements inside this rank's
+    master gradient (the whole flat buffer for stage 0, the own partition otherwise)."""
+    wanted = {id(p) for p in params}
+    ranges: list[tuple[int, int, int]] = []
+    for group in groups:
+        for unit in group.units:
+            sharded = unit.num_shards > 1
+            own_lo = shard_rank * unit.shard_numel if sharded else 0
+            own_hi = own_lo + unit.shard_numel if sharded else unit.padded_numel
+            for p, offset in zip(unit.params, unit.offsets):
+                if id(p) not in wanted:
+                    continue
+                lo, hi = max(offset, own_lo), min(offset + p.numel(), own_hi)
+                if lo < hi:
+                    base = unit.shard_start - own_lo if sharded else unit.start
+                    ranges.append((group.index, base + lo, hi - lo))
+    return ranges
 
 
 def _group_contexts(

@@ -1,12 +1,14 @@
 """Public types of ds-zero: the ``zero_optimization`` config section, memory reports, protocols.
 
 [Note: config keys ds-zero does not implement]
-``ZeroConfig.from_dict`` reads DeepSpeed's whole ``zero_optimization`` section. Keys for stage 3
-(``offload_param``, ``sub_group_size``, ``stage3_*``), ZeRO++ and MiCS are recognised: left at
-their DeepSpeed default they configure nothing in stages 0-2 and are accepted (real configs carry
-them), any other value is a ``ConfigError`` saying the feature is not supported yet. Deprecated
-keys (``cpu_offload``, ...) are errors that name their replacement. Anything else unknown is an
-error with the closest known key.
+``ZeroConfig.from_dict`` reads DeepSpeed's whole ``zero_optimization`` section. The stage 3 keys
+(``offload_param``, ``sub_group_size``, ``stage3_prefetch_bucket_size``, ...) are fields of
+:class:`ZeroConfig`, read under their DeepSpeed names and aliases (``prefetch_bucket_size``, ...);
+stages 0-2 ignore them. Keys for ZeRO++, MiCS and the rarer stage 3 knobs are recognised: left at
+their DeepSpeed default they configure nothing and are accepted (real configs carry them), any
+other value is a ``ConfigError`` saying the feature is not supported yet. Deprecated keys
+(``cpu_offload``, ...) are errors that name their replacement. Anything else unknown is an error
+with the closest known key.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ConfigError",
     "MemoryBreakdown",
     "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "TensorSwapper",
     "ZeroConfig",
 ]
@@ -33,23 +36,21 @@ __all__ = [
 _SECTION = "zero_optimization"
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
-# Recognised keys that only matter for stage 3, ZeRO++ or MiCS, with DeepSpeed's defaults.
+# Aliases DeepSpeed accepts for the stage 3 fields of ZeroConfig.
+_ALIASES: dict[str, str] = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+
+# Recognised keys that only matter for ZeRO++, MiCS or rare stage 3 knobs, with DeepSpeed's
+# defaults.
 _NOT_YET_SUPPORTED: dict[str, Any] = {
-    "offload_param": None,
-    "sub_group_size": 1_000_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000,
-    "param_persistence_threshold": 100_000,
     "stage3_model_persistence_threshold": sys.maxsize,
     "model_persistence_threshold": sys.maxsize,
-    "stage3_max_live_parameters": 1_000_000_000,
-    "max_live_parameters": 1_000_000_000,
-    "stage3_max_reuse_distance": 1_000_000_000,
-    "max_reuse_distance": 1_000_000_000,
-    "stage3_gather_16bit_weights_on_model_save": False,
-    "gather_16bit_weights_on_model_save": False,
-    "stage3_gather_fp16_weights_on_model_save": False,
     "stage3_module_granularity_threshold": 0,
     "module_granularity_threshold": 0,
     "stage3_use_all_reduce_for_fetch_params": False,
@@ -166,6 +167,59 @@ class OffloadOptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: where stage 3 keeps parameter shards (ZeRO-Infinity).
+
+    Attributes:
+        device: ``"none"`` (shards on the compute device), ``"cpu"`` (host memory, copied to the
+            compute device for each gather) or ``"nvme"`` (files under ``nvme_path``, fetched
+            through a ``ShardStore``).
+        pin_memory: page-locked host shards (faster host-device copies; CUDA only).
+        nvme_path: directory for the shard files; required with ``device="nvme"``.
+        buffer_count: host buffers the nvme store cycles through.
+        buffer_size: elements per nvme host buffer.
+        max_in_cpu: elements of shards the nvme store may keep in host memory.
+    """
+
+    device: str = "none"
+    pin_memory: bool = False
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        where = f"{_SECTION}.offload_param"
+        if self.device not in _OFFLOAD_DEVICES:
+            raise ConfigError(
+                f"{where}.device = {self.device!r}: expected one of {list(_OFFLOAD_DEVICES)}"
+            )
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                f'{where}.nvme_path = {self.nvme_path!r}: device "nvme" needs a directory on the '
+                "NVMe drive, e.g. /local_nvme"
+            )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            object.__setattr__(self, "nvme_path", str(self.nvme_path))
+        _bool(f"{where}.pin_memory", self.pin_memory)
+        for name, minimum in (("buffer_count", 1), ("buffer_size", 1), ("max_in_cpu", 0)):
+            value = _count(f"{where}.{name}", getattr(self, name), minimum=minimum)
+            object.__setattr__(self, name, value)
+
+    @property
+    def enabled(self) -> bool:
+        """True when shards live off the compute device (``device`` is cpu or nvme)."""
+        return self.device != "none"
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> OffloadParamConfig:
+        """Build from the JSON ``offload_param`` mapping (``None`` means no offload)."""
+        section = dict(section or {})
+        _check_keys(f"{_SECTION}.offload_param", section, {f.name for f in fields(cls)})
+        return cls(**section)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """The ``zero_optimization`` config section, with DeepSpeed's key names and defaults.
 
@@ -196,6 +250,22 @@ class ZeroConfig:
             zeros; when False they are an error.
         use_multi_rank_bucket_allreduce: accepted for compatibility; reductions are always one
             collective per bucket here.
+        stage3_prefetch_bucket_size: stage 3: elements of upcoming modules' parameters gathered
+            ahead of use (0: no prefetch). Alias ``prefetch_bucket_size``.
+        stage3_param_persistence_threshold: stage 3: parameters of at most this many elements
+            stay whole on every rank and are never released. Alias
+            ``param_persistence_threshold``.
+        stage3_max_live_parameters: stage 3: most elements of gathered parameters held at once
+            (prefetch stops short of it). Alias ``max_live_parameters``.
+        stage3_max_reuse_distance: stage 3: a parameter used again within this many elements of
+            other gathered parameters is not released after a module. Alias
+            ``max_reuse_distance``.
+        stage3_gather_16bit_weights_on_model_save: stage 3: gather whole 16-bit weights when the
+            engine saves the model. Aliases ``gather_16bit_weights_on_model_save``,
+            ``stage3_gather_fp16_weights_on_model_save``.
+        sub_group_size: stage 3: elements of fp32 master weights per optimizer sub-group (whole
+            parameters are grouped until it is exceeded).
+        offload_param: stage 3: see :class:`OffloadParamConfig`.
     """
 
     stage: int = 0
@@ -211,21 +281,31 @@ class ZeroConfig:
     load_from_fp32_weights: bool = True
     ignore_unused_parameters: bool = True
     use_multi_rank_bucket_allreduce: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
     def __post_init__(self) -> None:
         stage = self.stage
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{_SECTION}.stage = {stage!r}: expected 0, 1 or 2")
-        if stage == 3:
-            raise ConfigError(
-                f"{_SECTION}.stage = 3: parameter partitioning lands with ds-zero part 2 and is "
-                "not supported yet; use stage 2"
-            )
-        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            raise ConfigError(f"{_SECTION}.stage = {stage!r}: expected 0, 1, 2 or 3")
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
             value = _count(f"{_SECTION}.{name}", getattr(self, name), minimum=1)
             object.__setattr__(self, name, value)
+        for name in (
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+        ):
+            value = _count(f"{_SECTION}.{name}", getattr(self, name), minimum=0)
+            object.__setattr__(self, name, value)
         if self.overlap_comm is None:
-            object.__setattr__(self, "overlap_comm", False)  # DeepSpeed: True only for stage 3
+            object.__setattr__(self, "overlap_comm", stage == 3)  # DeepSpeed's default
         for f in fields(self):
             if f.type in ("bool", "bool | None"):
                 _bool(f"{_SECTION}.{f.name}", getattr(self, f.name))
@@ -241,7 +321,22 @@ class ZeroConfig:
         if offload.enabled and stage == 0:
             raise ConfigError(
                 f'{_SECTION}.offload_optimizer.device = "{offload.device}" needs stage 1 or 2 '
-                "(ZeRO-Offload steps each rank's optimizer partition); set stage to 1 or 2"
+                "(or 3): ZeRO-Offload steps each rank's optimizer partition; set stage to 1 or 2"
+            )
+        param_offload = self.offload_param
+        if param_offload is None or isinstance(param_offload, Mapping):
+            param_offload = OffloadParamConfig.from_dict(param_offload)
+            object.__setattr__(self, "offload_param", param_offload)
+        if not isinstance(param_offload, OffloadParamConfig):
+            raise ConfigError(
+                f"{_SECTION}.offload_param = {param_offload!r}: expected a mapping such as "
+                '{"device": "cpu"}'
+            )
+        if param_offload.enabled and stage != 3:
+            raise ConfigError(
+                f'{_SECTION}.offload_param.device = "{param_offload.device}" is a ZeRO stage 3 '
+                "feature (only stage 3 partitions parameters); set stage to 3 or remove "
+                "offload_param"
             )
 
     @property
@@ -254,6 +349,11 @@ class ZeroConfig:
         """Gradients are reduce-scattered during every backward; each rank keeps its shard."""
         return self.stage >= 2
 
+    @property
+    def shard_parameters(self) -> bool:
+        """Parameters are stored as 1/N shards and gathered around each module (stage 3)."""
+        return self.stage >= 3
+
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> ZeroConfig:
         """Build from the JSON ``zero_optimization`` section (see [Note: config keys ds-zero
@@ -265,8 +365,18 @@ class ZeroConfig:
         """
         section = dict(section or {})
         own = {f.name for f in fields(cls)}
-        _check_keys(_SECTION, section, own | set(_NOT_YET_SUPPORTED) | set(_DEPRECATED))
+        known = own | set(_ALIASES) | set(_NOT_YET_SUPPORTED) | set(_DEPRECATED)
+        _check_keys(_SECTION, section, known)
         for key, value in list(section.items()):
+            if key in _ALIASES:
+                name = _ALIASES[key]
+                if name in section and section[name] != value:
+                    raise ConfigError(
+                        f"{_SECTION}.{key} = {value!r} is an alias of {name} = "
+                        f"{section[name]!r}; give only one of them"
+                    )
+                section[name] = section.pop(key)
+                continue
             if key in _DEPRECATED:
                 if value in (None, False):
                     del section[key]
@@ -282,8 +392,6 @@ class ZeroConfig:
 
 def _check_not_yet_supported(key: str, value: Any) -> None:
     default = _NOT_YET_SUPPORTED[key]
-    if key == "offload_param" and isinstance(value, Mapping):
-        value = None if value.get("device", "none") == "none" else value
     if isinstance(default, bool) or default is None:
         is_default = value is default
     else:

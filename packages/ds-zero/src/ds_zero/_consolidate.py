@@ -1,0 +1,204 @@
+"""``consolidate`` (DeepSpeed's ``zero_to_fp32``): one fp32 state dict from a sharded checkpoint,
+assembled tensor by tensor, and the ``ds-zero-to-fp32`` command.
+
+[Note: streaming consolidation]
+Shard files are mapped (``torch.load(mmap=True)``), never read whole: each tensor is assembled
+from its pieces into one new fp32 tensor, which touches only the pages holding its master values
+(optimizer moments in the same files stay on disk). Peak memory is therefore the output state
+dict plus one tensor's pieces in the page cache, not every shard file. Tied parameters (recorded
+as aliases in the manifest) share one tensor in the output, as in the model. When the checkpoint
+directory is a ds-engine checkpoint (``<tag>/zero`` next to ``mp_rank_00_model_states.pt``),
+the module's buffers and frozen parameters, which no optimizer holds, are taken from that file,
+as DeepSpeed's script does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_zero._checkpoint import verify_checkpoint
+from ds_zero._manifest import MANIFEST, CheckpointError, ShardReader, dtype_of
+
+__all__ = [
+    "checkpoint_tensors",
+    "consolidate",
+    "iter_fp32_tensors",
+    "main",
+    "resolve_checkpoint_dir",
+]
+
+_LATEST = "latest"
+
+
+def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """The directory holding ``manifest.json``: ``checkpoint_dir`` itself, or
+    ``checkpoint_dir/<tag>`` (``tag`` from the ``latest`` file when None), or its ``zero/``
+    (``zero_mp00/``) sub-directory as ds-engine writes it."""
+    root = Path(checkpoint_dir)
+    if tag is None and (root / _LATEST).is_file():
+        tag = (root / _LATEST).read_text().strip()
+    base = root / tag if tag else root
+    for candidate in (base, base / "zero", *sorted(base.glob("zero_mp*"))):
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    raise CheckpointError(
+        f"no {MANIFEST} in {str(base)!r} or its zero/ sub-directory: not a ds-zero sharded "
+        "checkpoint (pass the directory save_sharded_checkpoint or save_checkpoint wrote, and "
+        "tag= when it holds several)"
+    )
+
+
+def _engine_module_state(source: Path) -> Mapping[str, torch.Tensor]:
+    """The ds-engine module state saved next to the zero directory (mapped, not read), if any."""
+    if not source.name.startswith("zero"):
+        return {}
+    mp = source.name.removeprefix("zero_mp") if source.name != "zero" else "00"
+    path = source.parent / f"mp_rank_{mp}_model_states.pt"
+    if not path.is_file():
+        return {}
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    module = state.get("module", {}) if isinstance(state, Mapping) else {}
+    return {k: v for k, v in module.items() if torch.is_tensor(v)}
+
+
+def checkpoint_tensors(
+    source: Path, manifest: Mapping[str, Any]
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[tuple[str, torch.Tensor]]]:
+    """What a verified checkpoint holds, and an iterator assembling it one fp32 tensor at a time
+    (see [Note: streaming consolidation]).
+
+    Returns:
+        ``[(name, shape, saved dtype)]`` in model order (aliases left out), and an iterator of
+        ``(name, fp32 tensor)`` in the same order.
+    """
+    extras = {k: v for k, v in _engine_module_state(source).items() if k not in manifest["tensors"]}
+    extras = {k: v for k, v in extras.items() if k not in manifest.get("aliases", {})}
+    entries = [
+        (name, tuple(int(s) for s in entry["shape"]), dtype_of(entry))
+        for name, entry in manifest["tensors"].items()
+    ]
+    entries += [(name, tuple(t.shape), t.dtype) for name, t in extras.items()]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        reader = ShardReader(source, manifest)
+        try:
+            for name in manifest["tensors"]:
+                yield name, reader.tensor(name)
+        finally:
+            reader.close()
+        for name, value in extras.items():
+            yield name, value.float().clone() if value.is_floating_point() else value.clone()
+
+    return entries, tensors()
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    with open(temp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def iter_fp32_tensors(
+    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, fp32 tensor)`` of a verified sharded checkpoint, one tensor at a time, in model
+    order; tied aliases are left out (they name the same tensor). For loading weights into a
+    model whose parameters are partitioned (ZeRO stage 3) without holding the whole model.
+
+    Example:
+        >>> for name, value in ds_zero.iter_fp32_tensors("ckpts", tag="global_step100"):
+        ...     print(name, tuple(value.shape))
+    """
+    source = resolve_checkpoint_dir(checkpoint_dir, tag)
+    _, tensors = checkpoint_tensors(source, verify_checkpoint(source))
+    yield from tensors
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike[str],
+    output_file: str | os.PathLike[str] | None = None,
+    *,
+    tag: str | None = None,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """One fp32 state dict from a sharded checkpoint of any stage and world size, for plain
+    ``nn.Module.load_state_dict`` (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``).
+
+    The checkpoint is verified first (files, checksums, coverage), then assembled tensor by tensor
+    (see [Note: streaming consolidation]).
+
+    Args:
+        checkpoint_dir: a directory from :func:`~ds_zero.save_sharded_checkpoint`, or a
+            ds-engine ``save_dir`` / tag directory.
+        output_file: also ``torch.save`` the state dict there (atomically).
+        tag: the engine checkpoint tag (default: the ``latest`` file's).
+        progress: show a tqdm progress bar.
+
+    Returns:
+        Parameter (and, for engine checkpoints, buffer) name -> fp32 tensor.
+
+    Example:
+        >>> model.load_state_dict(ds_zero.consolidate("ckpts", tag="global_step100"))
+    """
+    from tqdm.auto import tqdm
+
+    source = resolve_checkpoint_dir(checkpoint_dir, tag)
+    manifest = verify_checkpoint(source)
+    entries, tensors = checkpoint_tensors(source, manifest)
+    state: dict[str, torch.Tensor] = {}
+    for name, value in tqdm(
+        tensors, total=len(entries), desc="consolidating", unit="tensor", disable=not progress
+    ):
+        state[name] = value
+    for alias, name in manifest.get("aliases", {}).items():
+        state[alias] = state[name]
+    if output_file is not None:
+        _save_atomic(state, Path(output_file))
+    return state
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ds-zero-to-fp32 CHECKPOINT_DIR OUTPUT_FILE [--tag T] [--safe_serialization]``."""
+    parser = argparse.ArgumentParser(
+        prog="ds-zero-to-fp32",
+        description="Turn a ds-zero sharded checkpoint into one fp32 state dict "
+        "(DeepSpeed's zero_to_fp32.py).",
+    )
+    parser.add_argument("checkpoint_dir", help="the checkpoint (or engine save_dir / tag) folder")
+    parser.add_argument(
+        "output_file",
+        help="the torch.save file to write; with --safe_serialization, the folder for "
+        "model.safetensors (and its index when sharded)",
+    )
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: latest)")
+    parser.add_argument(
+        "--safe_serialization", action="store_true", help="write safetensors files instead"
+    )
+    parser.add_argument(
+        "--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)"
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.safe_serialization:
+        from ds_zero._safetensors import export_safetensors
+
+        source = resolve_checkpoint_dir(args.checkpoint_dir, args.tag)
+        export_safetensors(
+            source,
+            args.output_file,
+            max_shard_size=args.max_shard_size,
+            dtype=torch.float32,
+            progress=not args.quiet,
+        )
+    else:
+        consolidate(args.checkpoint_dir, args.output_file, tag=args.tag, progress=not args.quiet)
+    return 0

@@ -1,0 +1,72 @@
+"""``build_zero_optimizer``: the ZeRO optimizer a ``zero_optimization`` section asks for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_zero._optimizer import ZeroOptimizer
+from ds_zero._stage3_optimizer import Stage3Optimizer
+from ds_zero.api import ZeroConfig
+
+__all__ = ["build_zero_optimizer"]
+
+# Keyword arguments of ZeroOptimizer that Stage3Optimizer does not take, and why.
+_NOT_IN_STAGE_3 = {
+    "swapper": 'offload_optimizer.device = "nvme" is not supported with stage 3 yet',
+    "param_group_process_groups": "param groups on their own process groups (MoE experts)",
+    "norm_group": "a pipeline/model-parallel norm group",
+    "norm_exclude": "excluding parameters from the norm",
+}
+
+
+def build_zero_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | None = None,
+    **kwargs: Any,
+) -> ZeroOptimizer | Stage3Optimizer:
+    """:class:`~ds_zero.ZeroOptimizer` for stages 0-2, :class:`~ds_zero.Stage3Optimizer` for 3.
+
+    Args:
+        model: the module to train.
+        optimizer: a ``torch.optim`` optimizer over its trainable parameters, without state.
+        config: the ``zero_optimization`` section (default: stage 0).
+        **kwargs: the keyword arguments of the chosen class (``group``, ``loss_scaler``,
+            ``gradient_accumulation_steps``, ...).
+
+    Raises:
+        ValueError: a keyword argument the chosen stage does not support.
+
+    Example:
+        >>> zero = build_zero_optimizer(model, torch.optim.AdamW(model.parameters()),
+        ...                             ZeroConfig.from_dict({"stage": 3}), group=dp_group)
+    """
+    config = config if config is not None else ZeroConfig()
+    if config.stage == 3:
+        refused = [k for k, v in kwargs.items() if k in _NOT_IN_STAGE_3 and not _unset(v)]
+        if refused:
+            reasons = "; ".join(f"{k}: {_NOT_IN_STAGE_3[k]}" for k in refused)
+            raise ValueError(
+                f"zero_optimization.stage = 3 does not support {reasons}; drop those arguments "
+                "or use stage 2"
+            )
+        kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_IN_STAGE_3}
+        return Stage3Optimizer(model, optimizer, config, **kwargs)
+    if kwargs.get("partitioner") is not None:
+        raise ValueError(
+            f"partitioner= is for stage 3 (partitioned parameters); zero_optimization.stage = "
+            f"{config.stage} keeps parameters whole: drop it or set stage to 3"
+        )
+    kwargs.pop("partitioner", None)
+    return ZeroOptimizer(model, optimizer, config, **kwargs)
+
+
+def _unset(value: Any) -> bool:
+    """None, empty, or a list of Nones (``param_group_process_groups`` without experts)."""
+    if value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(v is None for v in value)
+    return False

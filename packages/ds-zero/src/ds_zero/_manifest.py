@@ -1,0 +1,356 @@
+"""The manifest of a universal checkpoint: what every shard file holds, checked before loading.
+
+[Note: universal checkpoint manifest]
+A checkpoint directory holds one ``zero_shards_rank{r:05d}.pt`` per rank (that rank's
+:class:`~ds_zero._shards.TensorShard` values, keyed ``"<piece key>/<value>"``), ``scalars.pt``
+(optimizer hyper-parameters and scalar state, loss scaler, counters: the same on every rank, so
+taken from rank 0), an optional ``client_state.pt`` and ``manifest.json``::
+
+    {"format": "ds_zero.universal/1", "world_size": 4, "stage": 2,
+     "files": {"zero_shards_rank00000.pt": {"sha256": "...", "bytes": 12345}, ...},
+     "tensors": {"tok.weight": {"shape": [64, 32], "dtype": "torch.float32",
+                                "values": ["param", "exp_avg", "exp_avg_sq"],
+                                "pieces": [["zero_shards_rank00000.pt", "p0", 0, 512], ...]}},
+     "aliases": {"head.weight": "tok.weight"}}
+
+A piece ``[file, key, start, stop]`` says that elements ``[start, stop)`` of the flattened
+tensor are in ``file`` under ``key/<value>`` for each of the tensor's values. Checksums are
+computed while the bytes are written (no second read). Loading refuses the directory unless
+every file is present with its recorded size and checksum (each rank hashes every N-th file,
+so verification is shared) and every element of every tensor is covered by exactly one piece;
+the message names the tensor, the element range and the file, because a silently truncated or
+partial sharded save otherwise surfaces weeks later as a diverging run. The manifest never
+mentions padding or partitions: a loader of any world size and stage asks for ranges by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "CheckpointError",
+    "ShardReader",
+    "build_manifest",
+    "coverage_problems",
+    "dtype_of",
+    "file_problems",
+    "read_manifest",
+    "shard_file",
+    "write_hashed",
+    "write_manifest",
+]
+
+FORMAT = "ds_zero.universal/1"
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is incomplete, corrupted or does not fit the optimizer."""
+
+
+def shard_file(rank: int) -> str:
+    """The name of rank ``rank``'s shard file."""
+    return f"zero_shards_rank{rank:05d}.pt"
+
+
+class _HashingWriter:
+    """A write-only stream that hashes and counts the bytes it forwards."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.bytes += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def write_hashed(obj: Any, path: Path) -> dict[str, Any]:
+    """``torch.save`` ``obj`` to ``path``, fsync it, and return its size and sha256 (computed
+    from the bytes as they are written).
+
+    Example:
+        >>> write_hashed({"w": torch.ones(3)}, Path("ckpt/.x.partial/scalars.pt"))["sha256"]
+    """
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": writer.digest.hexdigest(), "bytes": writer.bytes}
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- building ------------------------------------------------------------------------------------
+
+
+def build_manifest(
+    payloads: Sequence[Mapping[str, Any]],
+    *,
+    stage: int,
+    order: Sequence[str] = (),
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The manifest from every rank's payload (see [Note: universal checkpoint manifest]).
+
+    Args:
+        payloads: per rank ``{"file", "sha256", "bytes", "pieces": [{"name", "shape",
+            "dtype", "values", "key", "start", "stop"}, ...]}``.
+        stage: the ZeRO stage that saved it (informational: loading never needs it).
+        order: parameter names in the model's order (tensors are listed in it; others follow).
+        aliases: tied parameter names and the name they share storage with.
+
+    Raises:
+        CheckpointError: two ranks give one tensor different shapes or dtypes.
+    """
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, dict[str, Any]] = {}
+    for payload in payloads:
+        files[payload["file"]] = {"sha256": payload["sha256"], "bytes": payload["bytes"]}
+        for piece in payload["pieces"]:
+            entry = tensors.setdefault(
+                piece["name"],
+                {
+                    "shape": list(piece["shape"]),
+                    "dtype": piece["dtype"],
+                    "values": list(piece["values"]),
+                    "pieces": [],
+                },
+            )
+            if entry["shape"] != list(piece["shape"]) or entry["dtype"] != piece["dtype"]:
+                raise CheckpointError(
+                    f"tensor {piece['name']!r} is {piece['dtype']} {list(piece['shape'])} in "
+                    f"{payload['file']} but {entry['dtype']} {entry['shape']} elsewhere: the ranks "
+                    "disagree about the model"
+                )
+            entry["pieces"].append([payload["file"], piece["key"], piece["start"], piece["stop"]])
+    rank = {name: i for i, name in enumerate(order)}
+    ordered = sorted(tensors, key=lambda n: rank.get(n, len(rank)))
+    return {
+        "format": FORMAT,
+        "world_size": len(payloads),
+        "stage": stage,
+        "files": files,
+        "tensors": {name: tensors[name] for name in ordered},
+        "aliases": dict(aliases or {}),
+    }
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of ``directory``, or a :class:`CheckpointError` saying what is there."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"{str(directory)!r} has no {MANIFEST}: not a ds-zero checkpoint, or a save that did "
+            "not finish"
+        )
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} has format {manifest.get('format')!r}; this ds-zero reads {FORMAT!r}"
+        )
+    return manifest
+
+
+# --- verifying -----------------------------------------------------------------------------------
+
+
+def _ranges(starts_stops: Iterable[tuple[int, int]]) -> str:
+    return ", ".join(f"[{a}, {b})" for a, b in starts_stops)
+
+
+def coverage_problems(manifest: Mapping[str, Any]) -> list[str]:
+    """Every tensor's elements not covered exactly once, each naming the tensor and files."""
+    problems: list[str] = []
+    files = manifest["files"]
+    for name, entry in manifest["tensors"].items():
+        numel = 1
+        for size in entry["shape"]:
+            numel *= int(size)
+        pieces = sorted((p for p in entry["pieces"] if p[2] < p[3]), key=lambda p: (p[2], p[3]))
+        at, last_file = 0, None
+        for file, _, start, stop in pieces:
+            if file not in files:
+                problems.append(
+                    f"tensor {name!r} elements [{start}, {stop}) are in {file}, which the "
+                    "manifest does not list"
+                )
+            if start > at:
+                after = f" (after {last_file})" if last_file else ""
+                problems.append(
+                    f"tensor {name!r} elements [{at}, {start}) are missing: no shard file holds "
+                    f"them{after}; the save was partial"
+                )
+            elif start < at:
+                problems.append(
+                    f"tensor {name!r} elements [{start}, {min(at, stop)}) are covered twice: by "
+                    f"{last_file} and {file}"
+                )
+            if stop > at:
+                at, last_file = stop, file
+        if at < numel:
+            problems.append(
+                f"tensor {name!r} elements [{at}, {numel}) are missing: no shard file holds them; "
+                "the save was partial"
+            )
+        elif at > numel:
+            problems.append(
+                f"tensor {name!r} of shape {tuple(entry['shape'])} has pieces up to element {at} "
+                f"in {last_file}: past its {numel} elements"
+            )
+    return problems
+
+
+def _pieces_in(manifest: Mapping[str, Any], file: str) -> list[tuple[str, int, int]]:
+    return [
+        (name, start, stop)
+        for name, entry in manifest["tensors"].items()
+        for f, _, start, stop in entry["pieces"]
+        if f == file and start < stop
+    ]
+
+
+def _file_problem(directory: Path, file: str, record: Mapping[str, Any]) -> str | None:
+    path = directory / file
+    if not path.is_file():
+        return f"{file} absent"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{file} truncated ({size} of {record['bytes']} bytes)"
+    if _file_sha256(path) != record["sha256"]:
+        return f"{file} corrupted (its sha256 differs from the manifest's)"
+    return None
+
+
+def file_problems(
+    directory: Path, manifest: Mapping[str, Any], *, rank: int = 0, world_size: int = 1
+) -> list[str]:
+    """Problems of the files this rank checks (every ``world_size``-th, from ``rank``): absent,
+    truncated or corrupted, each naming the tensors whose elements are lost with it."""
+    problems = []
+    for index, (file, record) in enumerate(sorted(manifest["files"].items())):
+        if index % world_size != rank:
+            continue
+        problem = _file_problem(directory, file, record)
+        if problem is None:
+            continue
+        lost = _pieces_in(manifest, file)
+        if not lost:
+            problems.append(f"{problem}: the checkpoint is incomplete")
+            continue
+        name, start, stop = lost[0]
+        more = f" (and {len(lost) - 1} more pieces of tensors)" if len(lost) > 1 else ""
+        problems.append(f"tensor {name!r} elements [{start}, {stop}) are missing{more}: {problem}")
+    return problems
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+class ShardReader:
+    """Reads any element range of a checkpoint's tensors, touching only the bytes it needs.
+
+    Shard files are opened lazily with ``torch.load(mmap=True)``, so a range costs the pages that
+    hold it. Verify the directory first (:func:`file_problems`, :func:`coverage_problems`).
+
+    Example:
+        >>> reader = ShardReader(Path("ckpt"), read_manifest(Path("ckpt")))
+        >>> reader.lookup("tok.weight", 0, 128)["exp_avg"]
+    """
+
+    def __init__(self, directory: Path, manifest: Mapping[str, Any]) -> None:
+        self.directory, self.manifest = directory, manifest
+        self._open: dict[str, Mapping[str, torch.Tensor]] = {}
+
+    def _file(self, file: str) -> Mapping[str, torch.Tensor]:
+        if file not in self._open:
+            self._open[file] = torch.load(
+                self.directory / file, map_location="cpu", mmap=True, weights_only=True
+            )
+        return self._open[file]
+
+    def entry(self, name: str) -> Mapping[str, Any]:
+        """The manifest entry of tensor ``name`` (a :class:`CheckpointError` when absent)."""
+        entry = self.manifest["tensors"].get(name)
+        if entry is None:
+            known = list(self.manifest["tensors"])
+            raise CheckpointError(
+                f"tensor {name!r} is not in the checkpoint {str(self.directory)!r} (it holds "
+                f"{len(known)} tensors, e.g. {known[:4]}); load it into the model it was saved from"
+            )
+        return entry
+
+    def lookup(
+        self, name: str, start: int, stop: int, values: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Elements ``[start, stop)`` of tensor ``name``: each saved value (or those in
+        ``values``) as a new fp32 1-D tensor. Satisfies :data:`~ds_zero._shards.ShardLookup`."""
+        entry = self.entry(name)
+        wanted = [v for v in entry["values"] if values is None or v in values]
+        out = {v: torch.empty(stop - start, dtype=torch.float32) for v in wanted}
+        covered = 0
+        for file, key, a, b in entry["pieces"]:
+            low, high = max(a, start), min(b, stop)
+            if low >= high:
+                continue
+            stored = self._file(file)
+            for value in wanted:
+                piece = stored[f"{key}/{value}"]
+                out[value][low - start : high - start].copy_(piece[low - a : high - a])
+            covered += high - low
+        if covered != stop - start:
+            raise CheckpointError(
+                f"tensor {name!r} elements [{start}, {stop}): only {covered} are in the "
+                "checkpoint's pieces; verify the checkpoint first"
+            )
+        return out
+
+    def tensor(self, name: str, value: str = "param") -> torch.Tensor:
+        """The whole fp32 tensor ``name`` (one value), in its saved shape."""
+        entry = self.entry(name)
+        numel = 1
+        for size in entry["shape"]:
+            numel *= int(size)
+        return self.lookup(name, 0, numel, (value,))[value].view(entry["shape"])
+
+    def close(self) -> None:
+        """Drop the mapped files."""
+        self._open.clear()
+
+
+def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:
+    """The torch dtype recorded for a manifest tensor entry (``"torch.bfloat16"`` ...)."""
+    dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {entry['dtype']!r} in the manifest")
+    return dtype
+
+
+def write_manifest(manifest: Mapping[str, Any], path: Path) -> None:
+    """Write ``manifest`` as JSON and fsync it."""
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,397 @@
+"""Partitioned parameters (ZeRO stage 3): each rank stores a 1/N flat shard of every parameter
+and all-gathers the whole parameter only around its use.
+
+[Note: partitioned parameters]
+A partitioned parameter ``p`` keeps its identity (the ``torch.nn.Parameter`` object the module,
+the optimizer and the user hold) while its storage changes:
+
+- ``p.ds_tensor`` is this rank's shard: elements ``[rank * s, (rank + 1) * s)`` of the flattened
+  parameter zero-padded to ``s * world_size`` elements, ``s = ceil(numel / world_size)``. It is a
+  copy, so the full storage can be freed; stage 3's optimizer may later point it into its fp32
+  master (same values).
+- While partitioned (``ds_status`` NOT_AVAILABLE), ``p.data`` is an empty tensor of the
+  parameter's dtype and device, as in DeepSpeed: code that reads a partitioned weight sees
+  ``numel() == 0`` instead of stale values.
+- :meth:`ParamPartitioner.gather` all-gathers the shards of several parameters in one collective
+  (their shards concatenated) into a fresh buffer and points each ``p.data`` at a fresh
+  contiguous tensor of its ``ds_shape``. Fresh storage per gather matters: autograd saves views of
+  weights (``in_proj_weight.chunk(3)``), and a later gather must not overwrite what an earlier
+  forward saved for its backward.
+- Parameters of at most ``persistence_threshold`` elements are *persistent* (``ds_persist``):
+  whole on every rank, never released (DeepSpeed's ``stage3_param_persistence_threshold``:
+  gathering biases and norms costs more latency than memory). They still own a shard, which is
+  what the optimizer steps; after a step the shards are gathered back into the whole.
+- Shards live on the compute device, in host memory (``offload_param.device == "cpu"``: copied to
+  the compute device for each gather) or behind a :class:`ShardStore` (``"nvme"``), which the
+  partitioner asks to ``fetch`` shards before reading or writing them and may ``evict`` after.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+import ds_comm
+
+if TYPE_CHECKING:
+    from ds_zero.api import OffloadParamConfig
+
+__all__ = [
+    "GatherHandle",
+    "ParamPartitioner",
+    "ShardStore",
+    "ZeroParamStatus",
+    "is_partitioned",
+    "shard_bounds",
+]
+
+# ds_id numbering, unique within the process (DeepSpeed numbers parameters the same way).
+_DS_IDS = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    """Whether a partitioned parameter's whole value is in ``p.data`` (DeepSpeed's names)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+@runtime_checkable
+class ShardStore(Protocol):
+    """Where shards live with ``offload_param.device == "nvme"`` (ds-zero's ``_param_offload``).
+
+    The partitioner calls :meth:`fetch` before it reads or writes ``p.ds_tensor`` and
+    :meth:`evict` once it is done with them.
+    """
+
+    def fetch(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Make each ``p.ds_tensor`` resident in host memory (blocking)."""
+        ...
+
+    def prefetch(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Start reading the shards of parameters needed soon (a hint)."""
+        ...
+
+    def evict(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Write back shards changed since their fetch and free their host copies."""
+        ...
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    """True when ``p`` was partitioned by a :class:`ParamPartitioner`."""
+    return hasattr(p, "ds_id") and hasattr(p, "ds_tensor")
+
+
+def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the unpadded elements held by ``rank`` (may be empty)."""
+    s = math.ceil(numel / world_size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+class GatherHandle:
+    """One coalesced all-gather of partitioned parameters; :meth:`wait` makes them AVAILABLE.
+
+    Waiting twice is harmless. Parameters that were already being gathered by an earlier handle
+    are waited for through that handle.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        work: Any,
+        output: torch.Tensor | None,
+        world_size: int,
+        depends: Sequence[GatherHandle] = (),
+        on_done: Any = None,
+    ) -> None:
+        self.params = list(params)
+        self._work, self._output, self._world = work, output, world_size
+        self._depends = list(depends)
+        self._on_done = on_done
+        self.done = False
+
+    def wait(self) -> None:
+        """Complete the collective and point every parameter's ``data`` at its whole value."""
+        for other in self._depends:
+            other.wait()
+        if self.done:
+            return
+        self.done = True
+        if self._work is not None:
+            self._work.wait()
+        if self._output is not None:
+            _unpack(self.params, self._output, self._world)
+        for p in self.params:
+            p.ds_status = ZeroParamStatus.AVAILABLE
+        self._output = self._work = None
+        if self._on_done is not None:
+            self._on_done(self)
+
+
+def _unpack(params: Sequence[torch.nn.Parameter], output: torch.Tensor, world: int) -> None:
+    """Give each parameter a fresh contiguous tensor of its gathered value."""
+    if len(params) == 1:
+        p = params[0]
+        p.data = output.narrow(0, 0, p.ds_numel).view(p.ds_shape)
+        return
+    columns = output.view(world, -1)
+    offset = 0
+    for p in params:
+        s = p.ds_tensor.numel()
+        full = columns.narrow(1, offset, s).reshape(-1)  # copies: rows are strided
+        p.data = full.narrow(0, 0, p.ds_numel).view(p.ds_shape)
+        offset += s
+
+
+class ParamPartitioner:
+    """Owns the partitioned parameters of one data-parallel group (see [Note: partitioned
+    parameters]).
+
+    Args:
+        group: the data-parallel process group (None: the default group, or one process when
+            ``torch.distributed`` is not initialised).
+        persistence_threshold: parameters of at most this many elements stay whole.
+        offload: ``offload_param``: where shards live (None: on the compute device).
+        shard_store: the store behind ``offload.device == "nvme"``.
+        compute_device: where gathered parameters live (None: the parameters' own device).
+
+    Example:
+        >>> partitioner = ParamPartitioner(dp_group, persistence_threshold=0)
+        >>> partitioner.partition(model.parameters())
+        >>> partitioner.gather(list(model.parameters())).wait()  # whole again
+        >>> partitioner.release(list(model.parameters()))  # p.data empty again
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        persistence_threshold: int = 100_000,
+        offload: OffloadParamConfig | None = None,
+        shard_store: ShardStore | None = None,
+        compute_device: torch.device | None = None,
+    ) -> None:
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        elif group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        else:
+            self.rank, self.world_size = 0, 1
+        self.persistence_threshold = persistence_threshold
+        self.offload_device = offload.device if offload is not None else "none"
+        self.pin_memory = bool(offload.pin_memory) if offload is not None else False
+        if self.offload_device == "nvme" and shard_store is None:
+            raise ValueError(
+                'offload_param.device = "nvme" needs a shard_store (ds_zero\'s NVMe parameter '
+                "store); pass shard_store="
+            )
+        self.shard_store = shard_store if self.offload_device == "nvme" else None
+        self.compute_device = torch.device(compute_device) if compute_device is not None else None
+        self.params: list[torch.nn.Parameter] = []  # in partitioning order
+        self._inflight: dict[int, GatherHandle] = {}
+        self.gathered_numel = 0  # elements of non-persistent parameters AVAILABLE or INFLIGHT
+        self.peak_gathered_numel = 0
+
+    # --- partitioning ----------------------------------------------------------------------------
+
+    def _device_of(self, p: torch.Tensor) -> torch.device:
+        return self.compute_device if self.compute_device is not None else p.device
+
+    def partition(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        names: Sequence[str] | None = None,
+        broadcast_from: int | None = None,
+    ) -> None:
+        """Partition every parameter not partitioned yet (idempotent).
+
+        Args:
+            params: the parameters (whole, identical on every rank unless ``broadcast_from``).
+            names: their names (stored as ``p.ds_name``, for messages).
+            broadcast_from: group rank whose values every rank takes first (None: no broadcast).
+        """
+        params = list(params)
+        name_of = dict(zip(map(id, params), names)) if names is not None else {}
+        seen: set[int] = set()
+        todo = []
+        for p in params:
+            if id(p) in seen or is_partitioned(p):
+                continue
+            seen.add(id(p))
+            todo.append(p)
+        if broadcast_from is not None and self.world_size > 1:
+            src = broadcast_from
+            if self.group is not None:
+                src = dist.get_global_rank(self.group, broadcast_from)
+            with torch.no_grad():
+                for p in todo:
+                    ds_comm.broadcast(p.data, src, group=self.group)
+        for p in todo:
+            self._partition_one(p, name_of.get(id(p)))
+
+    def _partition_one(self, p: torch.nn.Parameter, name: str | None) -> None:
+        numel, world = p.numel(), self.world_size
+        s = math.ceil(numel / world) if numel else 0
+        start, stop = shard_bounds(numel, world, self.rank)
+        shard = torch.zeros(s, dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            shard.narrow(0, 0, stop - start).copy_(p.data.reshape(-1)[start:stop])
+        if self.offload_device in ("cpu", "nvme"):
+            pin = self.pin_memory and torch.cuda.is_available()
+            host = torch.empty(s, dtype=p.dtype, device="cpu", pin_memory=pin)
+            shard = host.copy_(shard)
+        p.ds_id = next(_DS_IDS)
+        p.ds_shape = tuple(p.shape)
+        p.ds_numel = numel
+        p.ds_name = name
+        p.ds_persist = numel <= self.persistence_threshold
+        p.ds_tensor = shard
+        p.ds_process_group = self.group
+        p.ds_partitioner = self
+        p.ds_active_sub_modules = set()
+        p.partition_numel = lambda s=s: s
+        p.padding_size = lambda pad=s * world - numel: pad
+        p.all_gather = lambda param_list=None, p=p: self.gather(param_list or [p]).wait()
+        p.partition = lambda param_list=None, p=p: self.release(param_list or [p])
+        if p.ds_persist:
+            if p.device != self._device_of(p):
+                p.data = p.data.to(self._device_of(p))
+            p.ds_status = ZeroParamStatus.AVAILABLE
+        else:
+            p.data = torch.empty(0, dtype=p.dtype, device=self._device_of(p))
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        self.params.append(p)
+        if self.shard_store is not None:
+            self.shard_store.evict([p])
+
+    # --- gathering and releasing -----------------------------------------------------------------
+
+    def gather(
+        self, params: Iterable[torch.nn.Parameter], *, async_op: bool = False
+    ) -> GatherHandle:
+        """All-gather the whole values of ``params`` in one collective (see [Note: partitioned
+        parameters]); AVAILABLE and persistent parameters are skipped.
+
+        Every rank of the group must call it with the same parameters in the same order.
+
+        Returns:
+            A handle; the parameters are AVAILABLE after its ``wait()`` (already done unless
+            ``async_op``).
+        """
+        todo: list[torch.nn.Parameter] = []
+        depends: list[GatherHandle] = []
+        seen: set[int] = set()
+        for p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.ds_status is ZeroParamStatus.INFLIGHT:
+                handle = self._inflight.get(p.ds_id)
+                if handle is not None and handle not in depends:
+                    depends.append(handle)
+            elif p.ds_status is ZeroParamStatus.NOT_AVAILABLE:
+                todo.append(p)
+        if not todo:
+            handle = GatherHandle([], None, None, self.world_size, depends)
+            if not async_op:
+                handle.wait()
+            return handle
+        if self.shard_store is not None:
+            self.shard_store.fetch(todo)
+        device = self._device_of(todo[0])
+        shards = [p.ds_tensor.to(device, non_blocking=True) for p in todo]
+        flat = shards[0] if len(shards) == 1 else torch.cat(shards)
+        if self.world_size == 1:
+            output, work = flat.clone() if flat is todo[0].ds_tensor else flat, None
+        else:
+            output = torch.empty(flat.numel() * self.world_size, dtype=flat.dtype, device=device)
+            work = ds_comm.all_gather_into_tensor(output, flat, group=self.group, async_op=True)
+        if self.shard_store is not None:
+            # [Note: partitioned parameters]: the store may drop host copies once sent.
+            if work is not None:
+                work.wait()
+                work = None
+            self.shard_store.evict(todo)
+        for p in todo:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+        self.gathered_numel += sum(p.ds_numel for p in todo)
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel)
+        handle = GatherHandle(todo, work, output, self.world_size, depends, self._done)
+        for p in todo:
+            self._inflight[p.ds_id] = handle
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _done(self, handle: GatherHandle) -> None:
+        for p in handle.params:
+            if self._inflight.get(p.ds_id) is handle:
+                del self._inflight[p.ds_id]
+
+    def release(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Free the whole value of non-persistent parameters (``p.data`` becomes empty).
+
+        A parameter still being gathered is waited for first (its collective is in flight on
+        every rank and must complete).
+        """
+        for p in params:
+            if p.ds_persist:
+                continue
+            if p.ds_status is ZeroParamStatus.INFLIGHT:
+                self._inflight[p.ds_id].wait()
+            if p.ds_status is ZeroParamStatus.AVAILABLE:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.data.device)
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                self.gathered_numel -= p.ds_numel
+
+    def release_all(self) -> None:
+        """Release every non-persistent parameter of this partitioner."""
+        self.release(self.params)
+
+    # --- writing shards --------------------------------------------------------------------------
+
+    def write_shard_from_full(self, p: torch.nn.Parameter) -> None:
+        """Copy this rank's slice of the whole ``p.data`` into ``p.ds_tensor`` (after the whole
+        value was changed, e.g. by ``GatheredParameters`` with a ``modifier_rank``)."""
+        if p.ds_status is not ZeroParamStatus.AVAILABLE:
+            raise ValueError(
+                f"parameter {p.ds_name or p.ds_id} is {p.ds_status.name}: gather it before "
+                "writing its shard from the whole value"
+            )
+        start, stop = shard_bounds(p.ds_numel, self.world_size, self.rank)
+        if self.shard_store is not None:
+            self.shard_store.fetch([p])
+        with torch.no_grad():
+            shard = p.ds_tensor
+            shard.narrow(0, 0, stop - start).copy_(p.data.reshape(-1)[start:stop])
+            shard.narrow(0, stop - start, shard.numel() - (stop - start)).zero_()
+        if self.shard_store is not None:
+            self.shard_store.evict([p])
+
+    def write_full_from_shards(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Refresh the whole value of persistent (and AVAILABLE) parameters from every rank's
+        shard, after the shards were updated (an optimizer step)."""
+        whole = [p for p in params if p.ds_status is ZeroParamStatus.AVAILABLE]
+        if not whole:
+            return
+        for p in whole:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            if not p.ds_persist:
+                self.gathered_numel -= p.ds_numel
+        self.gather(whole).wait()
+        for p in whole:
+            if p.ds_persist:
+                self.gathered_numel -= p.ds_numel
+
+    def shard_nbytes(self) -> int:
+        """Bytes this rank holds for its parameters: every shard plus the whole persistent ones."""
+        return sum(p.ds_tensor.nbytes + (p.data.nbytes if p.ds_persist else 0) for p in self.params)

@@ -1,0 +1,612 @@
+"""``Stage3Optimizer``: ZeRO stage 3 training: partitioned parameters gathered around each module
+(``_stage3.py``), gradients reduce-scattered straight into this rank's fp32 shard, and the wrapped
+optimizer stepping only that shard.
+
+[Note: stage 3 step]
+Each optimizer param group's trainable parameters are laid out as fp32 *sub-groups*: whole
+parameters' shards (``p.ds_tensor``, ``s = ceil(numel / world)`` elements each, padding included)
+concatenated until ``sub_group_size`` elements are exceeded. The wrapped optimizer's param groups
+are re-pointed at those flat masters, next to an fp32 gradient shard of the same layout. For fp32
+parameters whose shards live where the masters do, ``p.ds_tensor`` becomes a view of the master
+(no second copy). During backward each parameter's gradient hook (``Parameter.
+register_post_accumulate_grad_hook``, once per backward even for tied parameters) moves the
+gradient into a bucket of rows ``[rank r's shard of each parameter]``, frees ``p.grad`` and
+releases the parameter; a full bucket (``reduce_bucket_size`` elements) is reduce-scattered
+(asynchronously with ``overlap_comm``) and the result added into the gradient shard, so
+micro-batches accumulate there. ``step()`` then follows ``ZeroOptimizer``'s [Note: one step]:
+global norm over the group, overflow skip with a loss scaler, one scaling for loss scale and
+clipping, optimizer step, shards written back (cast to the parameter dtype; under
+``offload_optimizer`` with ds-optim's ``CPUAdam`` and 16-bit parameters the optimizer writes the
+cast copies in its own pass, ZeRO-Offload's fused copy), persistent parameters gathered whole
+again.
+
+Every rank must use the same parameters in a backward (the reduce-scatters are issued in the
+order gradients complete); a parameter no rank used gets no reduction (its gradient is zero).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ds_comm
+from ds_optim import global_grad_norm
+from ds_zero._offload import accepts_fp16_param_groups, host_zeros
+from ds_zero._optimizer import _COMM_DTYPES, _dp_rank_and_size, _trainable_groups
+from ds_zero._partitioned import ParamPartitioner, shard_bounds
+from ds_zero._shards import ShardLookup, TensorShard
+from ds_zero._stage3 import PrefetchStats, Stage3Hooks
+from ds_zero._window import AccumulationWindow
+from ds_zero.api import MemoryBreakdown, ZeroConfig
+
+__all__ = ["Stage3Optimizer"]
+
+_FORMAT = "ds_zero.stage3/1"
+
+
+class _Slot:
+    """Where one parameter's shard sits in the masters."""
+
+    __slots__ = ("aliased", "index", "numel", "offset")
+
+    def __init__(self, index: int, offset: int, numel: int) -> None:
+        self.index, self.offset, self.numel, self.aliased = index, offset, numel, False
+
+
+class Stage3Optimizer(AccumulationWindow):
+    """ZeRO stage 3 around ``model`` and ``optimizer`` over a data-parallel group (see
+    [Note: stage 3 step]); the same interface as :class:`~ds_zero.ZeroOptimizer`.
+
+    Parameters not yet partitioned (a model built outside ``ds_zero.Init``) are broadcast from
+    the group's first rank and partitioned; the user calls ``model(...)`` as usual.
+
+    Args:
+        model: the module (trainable parameters in one dtype).
+        optimizer: a ``torch.optim`` optimizer over the model's trainable parameters, no state.
+        config: the ``zero_optimization`` section with ``stage=3``.
+        group: the data-parallel process group (None: the default group).
+        loss_scaler: ds-optim's ``DynamicLossScaler``/``StaticLossScaler`` for fp16.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        gradient_clipping: max global gradient norm (0: no clipping).
+        gradient_predivide_factor: as :class:`~ds_zero.ZeroOptimizer`.
+        communication_data_type: as :class:`~ds_zero.ZeroOptimizer`.
+        partitioner: the :class:`~ds_zero.ParamPartitioner` that partitioned the model; None:
+            the one of parameters already partitioned (``ds_zero.Init``), else a new one built
+            from ``config``.
+
+    Example:
+        >>> zero = Stage3Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ...                        ZeroConfig(stage=3), group=dp_group)
+        >>> zero.backward(model(batch))
+        >>> zero.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig | None = None,
+        *,
+        group: Any = None,
+        loss_scaler: Any = None,
+        gradient_accumulation_steps: int = 1,
+        gradient_clipping: float = 0.0,
+        gradient_predivide_factor: float | None = None,
+        communication_data_type: torch.dtype | str | None = None,
+        partitioner: ParamPartitioner | None = None,
+    ) -> None:
+        self.config = config if config is not None else ZeroConfig(stage=3)
+        if self.config.stage != 3:
+            raise ValueError(
+                f"zero_optimization.stage = {self.config.stage}: Stage3Optimizer needs stage 3; "
+                "use ZeroOptimizer (or ds_zero.build_zero_optimizer) for stages 0-2"
+            )
+        if self.config.offload_optimizer.device == "nvme":
+            raise ValueError(
+                'zero_optimization.offload_optimizer.device = "nvme" is not supported with stage '
+                '3 yet; use "cpu"'
+            )
+        _check_numbers(gradient_accumulation_steps, gradient_clipping, gradient_predivide_factor)
+        comm_dtype = _COMM_DTYPES.get(communication_data_type, communication_data_type)
+        if comm_dtype not in (None, *_COMM_DTYPES.values()):
+            raise ValueError(
+                f"communication_data_type = {communication_data_type!r}: expected one of "
+                f"{list(_COMM_DTYPES)}, a matching torch dtype, or None (the gradients' dtype)"
+            )
+        self.module, self.optimizer, self.group = model, optimizer, group
+        self.loss_scaler = loss_scaler
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.gradient_clipping = float(gradient_clipping)
+        self.rank, self.world_size = _dp_rank_and_size(group)
+        self._comm_dtype = comm_dtype
+        self._predivide = float(gradient_predivide_factor or self.world_size)
+        self.partitioner = partitioner or self._partitioner_of(model)
+        if self.partitioner.world_size != self.world_size:
+            raise ValueError(
+                f"the partitioner spans {self.partitioner.world_size} ranks and the group "
+                f"{self.world_size}; build both over the same data-parallel group"
+            )
+        named = list(model.named_parameters())
+        self.names = {id(p): n for n, p in named}
+        self.partitioner.partition(
+            [p for _, p in named], names=[n for n, _ in named], broadcast_from=0
+        )
+        self.trainable = _trainable_groups(model, optimizer)
+        self._param_dtype = next(p.dtype for g in self.trainable for p in g)
+        self._build_masters()
+        self._fused_copy = (
+            self.config.offload_optimizer.enabled
+            and self._param_dtype in (torch.float16, torch.bfloat16)
+            and accepts_fp16_param_groups(optimizer)
+        )
+        self.hooks = Stage3Hooks(
+            model,
+            self.partitioner,
+            prefetch_bucket_size=self.config.stage3_prefetch_bucket_size,
+            max_live_parameters=self.config.stage3_max_live_parameters,
+            max_reuse_distance=self.config.stage3_max_reuse_distance,
+        )
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slots_params()
+        ]
+        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._pending_numel = 0
+        self._inflight: deque[tuple[Any, torch.Tensor, list[Any]]] = deque()
+        self._reduced: set[int] = set()
+        self._bucket_bytes = 0
+        self.micro_steps = 0
+        self._window = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._boundary: bool | None = None
+        self._grad_norm: float | None = None
+
+    # --- construction ----------------------------------------------------------------------------
+
+    def _partitioner_of(self, model: torch.nn.Module) -> ParamPartitioner:
+        """The partitioner of parameters partitioned already (``ds_zero.Init``), else a new one
+        from the config (with the NVMe shard store for ``offload_param.device="nvme"``)."""
+        existing = {
+            id(p.ds_partitioner): p.ds_partitioner
+            for p in model.parameters()
+            if hasattr(p, "ds_partitioner")
+        }
+        if len(existing) > 1:
+            raise ValueError(
+                f"the model's parameters were partitioned by {len(existing)} different "
+                "partitioners (ds_zero.Init contexts with different groups or offload); build "
+                "the model under one Init, or pass partitioner="
+            )
+        if existing:
+            return next(iter(existing.values()))
+        offload = self.config.offload_param
+        store = None
+        if offload.device == "nvme":
+            from ds_zero._param_offload import NvmeShardStore
+
+            store = NvmeShardStore.from_config(offload, self.rank)
+        return ParamPartitioner(
+            self.group,
+            persistence_threshold=self.config.stage3_param_persistence_threshold,
+            offload=offload,
+            shard_store=store,
+        )
+
+    def _slots_params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.trainable for p in group]
+
+    def _build_masters(self) -> None:
+        """Lay the trainable shards out as fp32 sub-groups (see [Note: stage 3 step])."""
+        if self.optimizer.state:
+            raise ValueError(
+                "the optimizer already has state; wrap it before its first step (restore "
+                "checkpoints with Stage3Optimizer.load_state_dict)"
+            )
+        offload = self.config.offload_optimizer
+        self.masters: list[torch.Tensor] = []
+        self.grad_shards: list[torch.Tensor] = []
+        self._slots: dict[int, _Slot] = {}
+        store = self.partitioner.shard_store
+        for param_group, params in zip(self.optimizer.param_groups, self.trainable):
+            subs: list[list[torch.nn.Parameter]] = [[]]
+            size = 0
+            for p in params:
+                if subs[-1] and size + p.ds_tensor.numel() > self.config.sub_group_size:
+                    subs.append([])
+                    size = 0
+                subs[-1].append(p)
+                size += p.ds_tensor.numel()
+            group_masters = []
+            for sub in subs if params else []:
+                numel = sum(p.ds_tensor.numel() for p in sub)
+                if offload.enabled:
+                    master = host_zeros(numel, torch.float32, pin_memory=offload.pin_memory)
+                    grad = host_zeros(numel, torch.float32, pin_memory=offload.pin_memory)
+                else:
+                    master = torch.zeros(numel, dtype=torch.float32, device=sub[0].device)
+                    grad = torch.zeros_like(master)
+                offset = 0
+                for p in sub:
+                    slot = _Slot(len(self.masters), offset, p.ds_tensor.numel())
+                    if store is not None:
+                        store.fetch([p])
+                    view = master.narrow(0, offset, slot.numel)
+                    view.copy_(p.ds_tensor)
+                    if store is not None:
+                        store.evict([p])
+                    elif p.dtype == torch.float32 and p.ds_tensor.device == master.device:
+                        p.ds_tensor = view  # same values: the shard is the master
+                        slot.aliased = True
+                    self._slots[id(p)] = slot
+                    offset += slot.numel
+                self.masters.append(master)
+                self.grad_shards.append(grad)
+                group_masters.append(master)
+            param_group["params"] = group_masters
+
+    @property
+    def prefetch_stats(self) -> PrefetchStats:
+        """Prefetch hits, misses and trace invalidations so far."""
+        return self.hooks.stats
+
+    # --- gradient reduction ----------------------------------------------------------------------
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        p.grad = None
+        self._pending.append((p, grad))  # type: ignore[arg-type]
+        self._pending_numel += p.ds_tensor.numel() * self.world_size
+        self._reduced.add(id(p))
+        self.partitioner.release([p])  # type: ignore[list-item]
+        if self._pending_numel >= self.config.reduce_bucket_size:
+            self._launch()
+
+    def _launch(self) -> None:
+        """Reduce-scatter the pending gradients as one bucket of rows (see [Note: stage 3
+        step])."""
+        entries, self._pending, self._pending_numel = self._pending, [], 0
+        if not entries:
+            return
+        world = self.world_size
+        dtype = self._comm_dtype or entries[0][1].dtype
+        cols = sum(p.ds_tensor.numel() for p, _ in entries)
+        bucket = torch.zeros(world, cols, dtype=dtype, device=entries[0][1].device)
+        placed = []
+        offset = 0
+        for p, grad in entries:
+            s = p.ds_tensor.numel()
+            flat = grad.reshape(-1)
+            rows, rest = divmod(flat.numel(), s)
+            bucket[:rows, offset : offset + s].copy_(flat[: rows * s].view(rows, s))
+            if rest:
+                bucket[rows, offset : offset + rest].copy_(flat[rows * s :])
+            placed.append((p, offset))
+            offset += s
+        del entries
+        flat_bucket = bucket.view(-1)
+        if world == 1:
+            self._finalize(None, flat_bucket, placed)
+            return
+        if self._predivide != 1.0:
+            flat_bucket.div_(self._predivide)
+        out = torch.empty(cols, dtype=dtype, device=bucket.device)
+        self._bucket_bytes = max(self._bucket_bytes, bucket.nbytes + out.nbytes)
+        work = ds_comm.reduce_scatter_tensor(
+            out, flat_bucket, group=self.group, async_op=bool(self.config.overlap_comm)
+        )
+        self._inflight.append((work, out, placed))
+        while len(self._inflight) > (2 if self.config.overlap_comm else 0):
+            self._finalize(*self._inflight.popleft())
+
+    def _finalize(self, work: Any, out: torch.Tensor, placed: list[Any]) -> None:
+        if work is not None:
+            work.wait()
+        post = self._predivide / self.world_size if self.world_size > 1 else 1.0
+        if post != 1.0:
+            out.mul_(post)
+        for p, offset in placed:
+            slot = self._slots[id(p)]
+            target = self.grad_shards[slot.index].narrow(0, slot.offset, slot.numel)
+            target.add_(out.narrow(0, offset, slot.numel).to(target.device, torch.float32))
+
+    def _finish_reduction(self) -> None:
+        self._launch()
+        while self._inflight:
+            self._finalize(*self._inflight.popleft())
+        if not self.config.ignore_unused_parameters:
+            unused = [
+                self.names.get(id(p), "?")
+                for p in self._slots_params()
+                if id(p) not in self._reduced
+            ]
+            if unused:
+                raise RuntimeError(
+                    f"parameters got no gradient in this backward: {unused[:5]}; set "
+                    "zero_optimization.ignore_unused_parameters to true to allow it"
+                )
+        self._reduced.clear()
+
+    # --- backward and step -----------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        """Backpropagate ``loss * loss_scale / gradient_accumulation_steps``; gradients are
+        reduce-scattered into this rank's shard as they complete."""
+        scale = self.loss_scale / self.gradient_accumulation_steps
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            self._finish_reduction()
+        except BaseException:
+            self._pending, self._pending_numel = [], 0
+            while self._inflight:
+                work = self._inflight.popleft()[0]
+                if work is not None:
+                    work.wait()
+            raise
+        finally:
+            self.hooks.end_iteration()
+        self.micro_steps += 1
+        self._window += 1
+
+    def step(self) -> bool:
+        """Step at the accumulation boundary (otherwise do nothing).
+
+        Returns:
+            True when the step was skipped because gradients overflowed (on every rank).
+        """
+        if not self._step_due():
+            return False
+        self._window = 0
+        grads = self.grad_shards
+        norm_group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
+        norm = float(global_grad_norm(grads, 2.0, group=norm_group))
+        scale = self.loss_scale
+        if self.loss_scaler is not None and not math.isfinite(norm):
+            self._grad_norm = norm
+            self.loss_scaler.update_scale(True)
+            self.skipped_steps += 1
+            self.zero_grad()
+            return True
+        self._grad_norm = norm / scale
+        combined = scale
+        if self.gradient_clipping > 0:
+            combined *= max(1.0, (self._grad_norm + 1e-6) / self.gradient_clipping)
+        if combined != 1.0:
+            torch._foreach_mul_(grads, 1.0 / combined)
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
+        low: list[torch.Tensor] = []
+        if self._fused_copy:  # CPUAdam writes the low-precision shards in the same pass
+            low = [torch.empty_like(m, dtype=self._param_dtype) for m in self.masters]
+            lows = iter(low)
+            self.optimizer.step(
+                fp16_param_groups=[[next(lows) for _ in g["params"]] for g in self.param_groups]
+            )
+        else:
+            self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self._publish(low or None)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        self.zero_grad()
+        self.global_steps += 1
+        return False
+
+    def _publish(self, low: list[torch.Tensor] | None = None) -> None:
+        """Write the masters (or their low-precision copies) into the shards, and persistent
+        parameters whole."""
+        store = self.partitioner.shard_store
+        sources = low if low is not None else self.masters
+        with torch.no_grad():
+            for p in self._slots_params():
+                slot = self._slots[id(p)]
+                if slot.aliased:
+                    continue
+                if store is not None:
+                    store.fetch([p])
+                p.ds_tensor.copy_(sources[slot.index].narrow(0, slot.offset, slot.numel))
+                if store is not None:
+                    store.evict([p])
+            self.partitioner.write_full_from_shards(
+                [p for p in self._slots_params() if p.ds_persist]
+            )
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 masters from the parameter shards (DeepSpeed's name)."""
+        store = self.partitioner.shard_store
+        with torch.no_grad():
+            for p in self._slots_params():
+                slot = self._slots[id(p)]
+                if slot.aliased:
+                    continue
+                if store is not None:
+                    store.fetch([p])
+                self.masters[slot.index].narrow(0, slot.offset, slot.numel).copy_(p.ds_tensor)
+                if store is not None:
+                    store.evict([p])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient shards (``set_to_none`` is accepted for torch parity)."""
+        del set_to_none
+        for grad in self.grad_shards:
+            grad.zero_()
+
+    def destroy(self) -> None:
+        """Remove the module and gradient hooks (DeepSpeed's name); the parameters stay
+        partitioned."""
+        self.hooks.remove()
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the last step's unscaled gradients before clipping (inf/nan on overflow)."""
+        return self._grad_norm
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: its fp32 masters and optimizer state (same world size to load;
+        use :meth:`checkpoint_shards` for a reshardable checkpoint)."""
+        return {
+            "format": _FORMAT,
+            "stage": 3,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "masters": [m.detach() for m in self.masters],
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "counters": {
+                "micro_steps": self.micro_steps,
+                "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from this rank's :meth:`state_dict`."""
+        if state.get("format") != _FORMAT or int(state["world_size"]) != self.world_size:
+            raise ValueError(
+                f"this state is {state.get('format')!r} from {state.get('world_size')} ranks; "
+                f"Stage3Optimizer.load_state_dict takes its own state ({_FORMAT}) from "
+                f"{self.world_size} ranks (reshard through checkpoint_shards instead)"
+            )
+        saved = state["masters"]
+        if [m.numel() for m in saved] != [m.numel() for m in self.masters]:
+            raise ValueError("the saved masters do not match this model's partition layout")
+        with torch.no_grad():
+            for master, value in zip(self.masters, saved):
+                master.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._publish()
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self._load_counters(state.get("counters", {}))
+        self.zero_grad()
+
+    def _load_counters(self, counters: Mapping[str, Any]) -> None:
+        self.micro_steps = int(counters.get("micro_steps", 0))
+        self.global_steps = int(counters.get("global_steps", 0))
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+
+    def checkpoint_shards(self) -> list[TensorShard]:
+        """This rank's piece of every parameter and of its elementwise optimizer state (see
+        ``_shards.py``'s [Note: tensor shards]); persistent parameters report their r-th slice
+        too, so every element is covered exactly once."""
+        shards = []
+        trainable = {id(p) for p in self._slots_params()}
+        for name, p in self.module.named_parameters():
+            start, stop = shard_bounds(p.ds_numel, self.world_size, self.rank)
+            n = stop - start
+            if id(p) not in trainable:
+                values = {"param": p.ds_tensor.narrow(0, 0, n).float()}
+            else:
+                slot = self._slots[id(p)]
+                master = self.masters[slot.index]
+                values = {"param": master.narrow(0, slot.offset, n)}
+                for key, value in self.optimizer.state.get(master, {}).items():
+                    if torch.is_tensor(value) and value.shape == master.shape:
+                        values[key] = value.narrow(0, slot.offset, n)
+            shards.append(TensorShard(name, p.ds_shape, p.dtype, start, stop, values))
+        return shards
+
+    def load_checkpoint_shards(self, lookup: ShardLookup) -> None:
+        """Fill this rank's masters, elementwise optimizer state and parameter shards from
+        ``lookup`` (a checkpoint of any world size or stage).
+
+        Scalar optimizer state (Adam's ``step``) is not in a lookup: it is kept when the
+        optimizer has state already, else set to :attr:`global_steps`; the checkpoint reader
+        restores the saved scalars after this call.
+        """
+        trainable = {id(p) for p in self._slots_params()}
+        states: list[dict[str, torch.Tensor]] = [{} for _ in self.masters]
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                start, stop = shard_bounds(p.ds_numel, self.world_size, self.rank)
+                n = stop - start
+                if id(p) not in trainable:
+                    try:
+                        found = lookup(name, start, stop)
+                    except (KeyError, ValueError):  # the model's own weight, saved elsewhere
+                        continue
+                    p.ds_tensor.narrow(0, 0, n).copy_(found["param"])
+                    continue
+                found = lookup(name, start, stop)
+                if "param" not in found:
+                    raise KeyError(f"the checkpoint has no 'param' values for {name!r}")
+                slot = self._slots[id(p)]
+                master = self.masters[slot.index]
+                master.narrow(0, slot.offset, n).copy_(found["param"])
+                for key, value in found.items():
+                    if key != "param":
+                        target = states[slot.index].setdefault(key, torch.zeros_like(master))
+                        target.narrow(0, slot.offset, n).copy_(value)
+            for master, state in zip(self.masters, states):
+                old = self.optimizer.state.pop(master, {})
+                if not state:
+                    continue
+                scalars = {k: v for k, v in old.items() if not _elementwise(v, master)}
+                if not scalars:
+                    scalars = {"step": torch.tensor(float(self.global_steps))}
+                self.optimizer.state[master] = {**scalars, **state}
+            self._publish()
+            frozen = [p for p in self.module.parameters() if id(p) not in trainable]
+            self.partitioner.write_full_from_shards([p for p in frozen if p.ds_persist])
+        self.zero_grad()
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes this rank holds: ``params`` are the shards plus whole persistent parameters,
+        ``buffers`` the peak gathered working set plus the largest reduction bucket."""
+        params = self.partitioner.shard_nbytes()
+        aliased = {
+            self._slots[id(p)].index for p in self._slots_params() if self._slots[id(p)].aliased
+        }
+        grads = sum(g.nbytes for g in self.grad_shards)
+        optimizer_state = host = 0
+        for i, master in enumerate(self.masters):
+            tensors = [] if i in aliased else [master]
+            tensors += [
+                v
+                for v in self.optimizer.state.get(master, {}).values()
+                if torch.is_tensor(v) and v.numel() > 1
+            ]
+            for t in tensors:
+                optimizer_state += t.nbytes
+                if self.config.offload_optimizer.enabled:
+                    host += t.nbytes
+        if self.config.offload_optimizer.enabled:
+            host += grads
+        itemsize = self.partitioner.params[0].element_size() if self.partitioner.params else 0
+        working = self.partitioner.peak_gathered_numel * itemsize
+        return MemoryBreakdown(
+            params=params,
+            grads=grads,
+            optimizer_state=optimizer_state,
+            buffers=working + self._bucket_bytes,
+            host=host,
+        )
+
+
+def _check_numbers(accumulation: int, clipping: float, predivide: float | None) -> None:
+    if predivide is not None and not (0 < predivide < math.inf):
+        raise ValueError(
+            f"gradient_predivide_factor = {predivide}: expected a finite number > 0 (or None: "
+            "divide by the world size before the sum)"
+        )
+    if accumulation < 1:
+        raise ValueError(f"gradient_accumulation_steps = {accumulation}: expected >= 1")
+    if not clipping >= 0:
+        raise ValueError(f"gradient_clipping = {clipping}: expected >= 0")
+
+
+def _elementwise(value: Any, master: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == master.shape

@@ -1,0 +1,171 @@
+"""``ZeroOptimizer`` (stages 0-2) described as :class:`~ds_zero._shards.TensorShard` records and
+restored from any :data:`~ds_zero._shards.ShardLookup`, for universal checkpoints.
+
+[Note: tensor shards of the flat layout]
+A rank owns slice ``[r * s, (r + 1) * s)`` of every unit (``s`` = the unit's shard size, see
+[Note: flat layout]); a parameter at offset ``o`` with ``n`` elements overlaps it in
+``[max(r * s, o), min((r + 1) * s, o + n))``, which is the parameter's range
+``[max(r * s, o) - o, ...)`` and, in the rank's master partition, starts at the unit's
+``shard_start`` plus ``max(r * s, o) - r * s``. Padding never overlaps a parameter, so it never
+reaches a shard. Stage 0 holds everything on every rank: rank ``r`` reports the ``r``-th of ``N``
+even pieces of each parameter (``[n * r // N, n * (r + 1) // N)``), so the ranks together cover
+each element once and share the writing. Loading asks the lookup for exactly the ranges the
+rank's partition holds (all of every parameter for stage 0), whatever stage and world size
+wrote them; elementwise optimizer state follows the same ranges as the masters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_zero._manifest import CheckpointError
+from ds_zero._shards import ShardLookup, TensorShard
+
+if TYPE_CHECKING:
+    from ds_zero._layout import FlatGroup
+    from ds_zero._optimizer import ZeroOptimizer
+
+__all__ = ["zero_checkpoint_shards", "zero_load_checkpoint_shards"]
+
+
+def _check_supported(zero: ZeroOptimizer) -> None:
+    if zero.own_groups:
+        raise CheckpointError(
+            "param groups with their own process groups (MoE experts) hold different values "
+            "under the same names on different ranks; they are saved in the per-rank format"
+        )
+
+
+@contextlib.contextmanager
+def _resident_state(zero: ZeroOptimizer) -> Iterator[None]:
+    """Optimizer state swapped in from NVMe for the duration (a no-op otherwise)."""
+    swap = zero._swap  # the NVMe swap of the optimizer's state (package-internal)
+    if swap is not None:
+        swap.swap_in()
+    try:
+        yield
+    finally:
+        if swap is not None:
+            swap.swap_out()
+
+
+def _held_ranges(
+    zero: ZeroOptimizer, group: FlatGroup
+) -> Iterator[tuple[str, torch.nn.Parameter, int, int, int]]:
+    """``(name, param, start, stop, position in the master partition)`` of every parameter range
+    this rank holds in ``group`` (see [Note: tensor shards of the flat layout])."""
+    names = iter(group.names)
+    rank = zero.shard_rank
+    for unit in group.units:
+        low, high = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
+        for p, offset in zip(unit.params, unit.offsets):
+            name = next(names)
+            begin, end = max(low, offset), min(high, offset + p.numel())
+            if begin < end:
+                yield name, p, begin - offset, end - offset, unit.shard_start + begin - low
+
+
+def _elementwise_state(zero: ZeroOptimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    state = zero.optimizer.state.get(master, {})
+    return {
+        key: value
+        for key, value in state.items()
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == master.numel()
+    }
+
+
+def zero_checkpoint_shards(zero: ZeroOptimizer) -> list[TensorShard]:
+    """This rank's pieces of every trainable parameter: fp32 master values and elementwise
+    optimizer state (views; copy them before the next step).
+
+    Example:
+        >>> sum(s.numel for s in zero_checkpoint_shards(zero))  # this rank's share
+    """
+    _check_supported(zero)
+    shards: list[TensorShard] = []
+    replicated = zero.num_shards == 1
+    with _resident_state(zero):
+        for group, master in zip(zero.groups, zero.masters):
+            state = _elementwise_state(zero, master)
+            for name, p, start, stop, at in _held_ranges(zero, group):
+                if replicated:  # stage 0: an even 1/N of each parameter per rank
+                    n, r, w = p.numel(), zero.rank, zero.world_size
+                    start, stop, at = n * r // w, n * (r + 1) // w, at + n * r // w
+                values = {"param": master.narrow(0, at, stop - start)}
+                for key, value in state.items():
+                    values[key] = value.narrow(0, at, stop - start)
+                shards.append(TensorShard(name, tuple(p.shape), p.dtype, start, stop, values))
+    for name, p in _frozen(zero):  # replicated: an even 1/N each, like stage 0
+        n, r, w = p.numel(), zero.rank, zero.world_size
+        start, stop = n * r // w, n * (r + 1) // w
+        values = {"param": p.detach().reshape(-1).narrow(0, start, stop - start).float()}
+        shards.append(TensorShard(name, tuple(p.shape), p.dtype, start, stop, values))
+    return shards
+
+
+def _frozen(zero: ZeroOptimizer) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters outside the flat layout (``requires_grad=False``), by name."""
+    trainable = {id(p) for group in zero.groups for p in group.params}
+    return [(n, p) for n, p in zero.module.named_parameters() if id(p) not in trainable]
+
+
+def zero_load_checkpoint_shards(zero: ZeroOptimizer, lookup: ShardLookup) -> None:
+    """Restore the fp32 masters (with ``load_from_fp32_weights``; else they are rebuilt from
+    the model's weights) and the elementwise optimizer state from ``lookup``, then write the
+    masters into the model's parameters. Scalar state (``step``, hyper-parameters) is the
+    caller's: it is not in the lookup."""
+    _check_supported(zero)
+    from_checkpoint = zero.config.load_from_fp32_weights
+    states: list[dict[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for group, master in zip(zero.groups, zero.masters):
+            loaded = torch.zeros_like(master)
+            state: dict[str, torch.Tensor] = {}
+            keys: set[str] | None = None
+            for name, _, start, stop, at in _held_ranges(zero, group):
+                values = lookup(name, start, stop)
+                if "param" not in values:
+                    raise CheckpointError(
+                        f"tensor {name!r} has no 'param' values in the checkpoint"
+                    )
+                found = set(values) - {"param"}
+                if keys is not None and found != keys:
+                    raise CheckpointError(
+                        f"tensor {name!r} has optimizer state {sorted(found)} but other tensors "
+                        f"of its param group have {sorted(keys)}; the checkpoint is inconsistent"
+                    )
+                keys = found
+                loaded.narrow(0, at, stop - start).copy_(values["param"])
+                for key in found:
+                    target = state.setdefault(key, torch.zeros_like(master))
+                    target.narrow(0, at, stop - start).copy_(values[key])
+            if from_checkpoint:
+                master.copy_(loaded)
+            states.append(state)
+        _load_state(zero, states)
+        for name, p in _frozen(zero):
+            try:
+                values = lookup(name, 0, p.numel())
+            except CheckpointError:  # saved without it (it is the model's, not the optimizer's)
+                continue
+            p.copy_(values["param"].view(p.shape))
+        if from_checkpoint:
+            zero._publish()  # masters -> parameters, gathered across ranks
+        else:
+            zero.refresh_fp32_params()
+    zero.reducer.zero()
+
+
+def _load_state(zero: ZeroOptimizer, states: list[dict[str, torch.Tensor]]) -> None:
+    """Replace the wrapped optimizer's state by ``states`` (one mapping per master); scalars
+    such as ``step`` are restored after this by the caller."""
+    inner = zero.optimizer
+    with _resident_state(zero):
+        for master, state in zip(zero.masters, states):
+            inner.state.pop(master, None)
+            if state:
+                inner.state[master] = dict(state)
