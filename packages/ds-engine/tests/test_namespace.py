@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 
 import ds_comm
@@ -37,19 +34,15 @@ def test_moe_layer_is_ds_moe() -> None:
     assert deepspeed.moe.layer.MoE is MoE
 
 
-def test_zero_stage3_names_raise_until_ds_zero_part_2() -> None:
-    from ds_engine.zero import GatheredParameters, Init
+def test_zero_stage3_names_are_ds_zero() -> None:
+    import ds_engine as deepspeed
+    import ds_zero
+    from ds_engine.zero import GatheredParameters, Init, register_external_parameter
 
-    with pytest.raises(NotImplementedError, match="ds-zero part 2"):
-        Init()
-    with pytest.raises(NotImplementedError, match="stage 3"):
-        GatheredParameters([])
-
-
-def test_pipe_fails_with_the_package_to_install() -> None:
-    sys.modules.pop("ds_engine.pipe", None)
-    with pytest.raises(ImportError, match="ds-pipe"):
-        importlib.import_module("ds_engine.pipe")
+    assert Init is ds_zero.Init
+    assert GatheredParameters is ds_zero.GatheredParameters
+    assert register_external_parameter is ds_zero.register_external_parameter
+    assert deepspeed.zero.Init is Init
 
 
 def test_missing_optional_package_names_the_pip_command() -> None:

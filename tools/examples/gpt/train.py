@@ -19,8 +19,10 @@ One process::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +117,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)  # the same initial weights on every rank (ds-zero broadcasts anyway)
-    model = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
+    stage = json.loads(Path(args.deepspeed_config).read_text())["zero_optimization"]["stage"]
+    # ZeRO stage 3 partitions each layer's weights as it is built: no rank holds the whole model.
+    with deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config, enabled=stage == 3):
+        model = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
     data = CountingLanguage(50_000, args.vocab, args.seq)
     engine, _, loader, _ = deepspeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=data

@@ -34,7 +34,10 @@ import ds_comm
 from ds_engine import __version__
 from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import (
+    GatheredParameters,
+    Stage3Optimizer,
     ZeroOptimizer,
+    iter_fp32_tensors,
     load_sharded_checkpoint,
     replace_dir,
     save_sharded_checkpoint,
@@ -44,9 +47,10 @@ from ds_zero import save_fsynced as _write  # module-level name: the crash test 
 if TYPE_CHECKING:
     from ds_engine._engine import DeepSpeedEngine
 
-__all__ = ["check_client_state", "load_checkpoint", "save_checkpoint"]
+__all__ = ["check_client_state", "load_checkpoint", "save_16bit_model", "save_checkpoint"]
 
 _LATEST = "latest"
+_ZERO = (ZeroOptimizer, Stage3Optimizer)
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.Size)
 
 
@@ -119,8 +123,20 @@ def _mp_rank(engine: DeepSpeedEngine) -> int:
     return engine.mpu.get_model_parallel_rank() if engine.mpu is not None else 0
 
 
+def _partitioned_keys(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of ZeRO-3 partitioned parameters: their values live in the zero shards
+    (see [Note: checkpoint layout and crash safety]); persistent (whole) ones stay here."""
+    return {
+        key
+        for key, value in module.state_dict(keep_vars=True).items()
+        if hasattr(value, "ds_id") and not getattr(value, "ds_persist", False)
+    }
+
+
 def _module_state(engine: DeepSpeedEngine, exclude_frozen: bool) -> dict[str, Any]:
-    state = module_state(engine.module, engine.module.state_dict(), engine.expert_groups)
+    partitioned = _partitioned_keys(engine.module)
+    whole = {k: v for k, v in engine.module.state_dict().items() if k not in partitioned}
+    state = module_state(engine.module, whole, engine.expert_groups)
     if exclude_frozen:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}
@@ -131,6 +147,7 @@ def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], excl
     loader = engine.training_dataloader
     return {
         "module": _module_state(engine, exclude_frozen),
+        "zero_shard_keys": sorted(_partitioned_keys(engine.module)),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -176,7 +193,7 @@ def save_checkpoint(
         _write(state, partial / f"mp_rank_{mp:02d}_model_states.pt")
     save_expert_files(engine.module, partial, engine.expert_groups)
     optimizer = engine.optimizer
-    if isinstance(optimizer, ZeroOptimizer):
+    if isinstance(optimizer, _ZERO):
         save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
     elif optimizer is not None and engine.dp_rank == 0:
         _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
@@ -189,12 +206,73 @@ def save_checkpoint(
     return target
 
 
+def _gathered_state(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """The module's state dict with ZeRO-3 parameters gathered one at a time, on ``rank`` 0
+    (others get an empty dict). Tied parameters stay one tensor under both names."""
+    state: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) not in copies:
+            with GatheredParameters([value]):
+                copies[id(value)] = value.detach().cpu().clone() if rank == 0 else value[:0]
+        if rank == 0:
+            state[key] = copies[id(value)]
+    return state
+
+
+def save_16bit_model(
+    engine: DeepSpeedEngine,
+    save_dir: str | os.PathLike[str],
+    save_filename: str,
+    *,
+    exclude_frozen: bool,
+) -> bool:
+    """Write ``save_dir/save_filename`` (see ``DeepSpeedEngine.save_16bit_model``)."""
+    zero = engine.config.zero_optimization
+    rank = engine.global_rank
+    if _partitioned_keys(engine.module) and not zero.stage3_gather_16bit_weights_on_model_save:
+        engine.progress.write(
+            "save_16bit_model: nothing saved; ZeRO stage 3 needs "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save = true to gather the "
+            "weights (or consolidate a checkpoint with ds-zero-to-fp32)"
+        )
+        return False
+    state = _gathered_state(engine.module, rank)
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    if rank == 0:
+        root = Path(save_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        temp = root / f".{save_filename}.partial"
+        _write(state, temp)
+        os.replace(temp, root / save_filename)
+    _barrier()
+    return True
+
+
 def _rng_file(rank: int) -> str:
     return f"rng_state_rank{rank:05d}.pt"
 
 
 def _zero_dir(engine: DeepSpeedEngine) -> str:
     return "zero" if engine.mpu is None else f"zero_mp{_mp_rank(engine):02d}"
+
+
+def _load_module(
+    engine: DeepSpeedEngine, path: Path, saved: dict[str, Any], strict: bool, partitioned: set[str]
+) -> None:
+    """The model file's weights; stage 3's partitioned ones come from the zero shards after."""
+    if not partitioned:
+        load_module_state(engine.module, path, saved, engine.expert_groups, strict)
+        return
+    missing, unexpected = engine.module.load_state_dict(saved, strict=False)
+    missing = [k for k in missing if k not in partitioned]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"checkpoint {str(path)!r} does not fit the model: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
 
 
 def _resolve_tag(root: Path, tag: str | None) -> str | None:
@@ -204,9 +282,18 @@ def _resolve_tag(root: Path, tag: str | None) -> str | None:
     return latest.read_text().strip() if latest.is_file() else None
 
 
-def _refresh_masters(optimizer: ZeroOptimizer) -> None:
-    """Rebuild the fp32 masters from the freshly loaded module weights."""
-    optimizer.refresh_fp32_params()
+def _load_weights_from_shards(engine: DeepSpeedEngine, zero_dir: Path) -> None:
+    """The module's weights from a sharded checkpoint's fp32 masters, one tensor at a time (a
+    partitioned parameter is gathered, set and re-partitioned; every rank reads the same
+    values, so nothing else is communicated)."""
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in iter_fp32_tensors(zero_dir):
+            param = params.get(name)
+            if param is None:
+                continue  # a buffer: the model file held it
+            with GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(value.view(param.shape))
 
 
 def load_checkpoint(
@@ -231,15 +318,20 @@ def load_checkpoint(
     _check_same_tag(resolved)
     model_file = path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
     state = torch.load(model_file, map_location="cpu", weights_only=True)
-    load_module_state(engine.module, path, state["module"], engine.expert_groups, strict)
+    # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).
+    partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
+    _load_module(engine, path, state["module"], strict, partitioned)
     optimizer = engine.optimizer
-    if optimizer_states and isinstance(optimizer, ZeroOptimizer):
+    from_shards = optimizer_states and isinstance(optimizer, _ZERO)
+    if partitioned and not (from_shards and engine.config.zero_optimization.load_from_fp32_weights):
+        _load_weights_from_shards(engine, path / _zero_dir(engine))
+    if from_shards:
         load_sharded_checkpoint(path / _zero_dir(engine), optimizer)
     elif optimizer_states and optimizer is not None:
         optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
         optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))
-    elif isinstance(optimizer, ZeroOptimizer):
-        _refresh_masters(optimizer)
+    elif isinstance(optimizer, _ZERO):
+        optimizer.refresh_fp32_params()  # the fp32 masters from the loaded weights
     if module_only:
         return str(path), state["client_state"]
     if lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"]:

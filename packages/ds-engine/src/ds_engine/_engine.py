@@ -26,7 +26,7 @@ from ds_engine._nvme import nvme_swapper
 from ds_engine._progress import Progress, Timers, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
-from ds_zero import MemoryBreakdown, ZeroOptimizer
+from ds_zero import MemoryBreakdown, build_zero_optimizer
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -159,7 +159,7 @@ class DeepSpeedEngine(nn.Module):
                 f"(size {mp_size}) is not supported yet: the global norm would need the "
                 "model-parallel group too; set gradient_clipping to 0"
             )
-        return ZeroOptimizer(
+        return build_zero_optimizer(
             self.module,
             client,
             config.zero_optimization,
@@ -397,6 +397,26 @@ class DeepSpeedEngine(nn.Module):
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
         return True
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save the module's weights in their training dtype as one plain state dict, written
+        atomically by global rank 0 (every rank must call it).
+
+        Under ZeRO stage 3 this needs ``stage3_gather_16bit_weights_on_model_save``: the
+        parameters are gathered one at a time into rank 0's host memory. Without it nothing is
+        written and False is returned, as DeepSpeed does; ``ds-zero-to-fp32`` or
+        ``ds_zero.export_safetensors`` turn a sharded checkpoint into weights instead.
+        """
+        from ds_engine._checkpoint import save_16bit_model
+
+        return save_16bit_model(
+            self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
+        )
 
     def load_checkpoint(
         self,

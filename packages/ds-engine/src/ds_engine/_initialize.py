@@ -56,12 +56,16 @@ def initialize(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     config: str | Mapping[str, Any] | None = None,
     config_params: str | Mapping[str, Any] | None = None,
-) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any]:
     """Wrap ``model`` in a training engine configured by a DeepSpeed config.
+
+    A ds-pipe ``PipelineModule`` gets the pipeline engine (``train_batch``/``eval_batch``; see
+    [Note: the pipeline engine under initialize()] in ``_pipe.py``); ``mpu`` is then the module's
+    own and the argument is ignored.
 
     Args:
         args: an argparse namespace; its ``deepspeed_config`` is the config path.
-        model: the ``torch.nn.Module`` to train.
+        model: the ``torch.nn.Module`` to train, or a ``ds_pipe.PipelineModule``.
         optimizer: a client optimizer, or a callable building one from the parameters (instead
             of the config's ``optimizer`` section).
         model_parameters: the parameters (or param groups) the optimizer updates; default
@@ -86,11 +90,11 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=, the torch.nn.Module to train")
-    if _is_pipeline_module(model):
-        raise NotImplementedError(
-            "PipelineModule training needs ds-pipe's pipeline engine, which has not landed yet"
-        )
     raw = load_config_dict(_config_source(args, config, config_params))
+    if _is_pipeline_module(model):
+        return _initialize_pipeline(
+            model, raw, optimizer, model_parameters, lr_scheduler, training_data, collate_fn
+        )
     if dist_init_required or (dist_init_required is None and not ds_comm.is_initialized()):
         ds_comm.init_distributed(distributed_port=distributed_port, verbose=False)
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
@@ -103,6 +107,32 @@ def initialize(
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
         mpu=mpu,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _initialize_pipeline(
+    model: Any,
+    raw: Mapping[str, Any],
+    optimizer: Any,
+    model_parameters: Any,
+    lr_scheduler: Any,
+    training_data: Any,
+    collate_fn: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """The PipelineModule branch: the module built its process groups already (it needs an
+    initialised process group), and its topology's data axis sizes the batch triad."""
+    from ds_engine._pipe import PipelineDeepSpeedEngine
+
+    parsed = DeepSpeedConfig.from_dict(raw, dp_world_size=model.grid.axis_world_size("data"))
+    engine = PipelineDeepSpeedEngine(
+        model,
+        parsed,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
         training_data=training_data,
         collate_fn=collate_fn,
     )

@@ -1,31 +1,25 @@
-"""``deepspeed.zero``: ZeRO stage 3 helpers.
+"""``deepspeed.zero``: ZeRO stage 3 helpers, re-exported from ds-zero.
 
-``Init`` (partitioned construction) and ``GatheredParameters`` belong to ZeRO stage 3, which
-lands with ds-zero part 2; until then using them raises NotImplementedError. Stages 0-2 need
-neither: set ``zero_optimization.stage`` in the config.
+``Init`` partitions modules while they are built, ``GatheredParameters`` gathers partitioned
+parameters for a moment (reading or re-initialising weights), and
+``register_external_parameter`` names a parameter a module uses without owning it. Set
+``zero_optimization.stage`` to 3 in the config to train a model built this way.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-__all__ = ["GatheredParameters", "Init"]
-
-_MESSAGE = (
-    "deepspeed.zero.{name} is a ZeRO stage 3 feature; stage 3 lands with ds-zero part 2 and is "
-    "not available yet. Stages 0-2 need no {name}: set zero_optimization.stage to 0, 1 or 2"
+from ds_zero import (
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    register_external_parameter,
+    unregister_external_parameter,
 )
 
-
-class Init:
-    """Stage 3 partitioned model construction (not available yet; raises)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(_MESSAGE.format(name="Init"))
-
-
-class GatheredParameters:
-    """Stage 3 gathering of partitioned parameters (not available yet; raises)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(_MESSAGE.format(name="GatheredParameters"))
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]

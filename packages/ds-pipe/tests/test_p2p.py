@@ -1,0 +1,89 @@
+"""Activation/gradient transfers between stages: negotiated headers, dtypes, tuples, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_pipe._p2p import PipeChannels, as_tensor_tuple
+from ds_testing import run_on_ranks
+
+
+def _channels(world_size: int) -> PipeChannels:
+    """Channels of a 2-stage pipeline with two chunks per stage (chunks 0, 2 on rank 0)."""
+    group = torch.distributed.new_group(ranks=list(range(world_size)))
+    return PipeChannels(group, lambda chunk: chunk % world_size, torch.device("cpu"))
+
+
+def _values(mb: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(mb)
+    return (
+        torch.randn(3, 4, generator=gen).requires_grad_(True),
+        torch.randint(0, 100, (5,), generator=gen),  # int64 token ids, no grad
+        torch.rand(2, 2, generator=gen) > 0.5,  # a bool mask
+        torch.randn(2, 3, generator=gen).to(torch.bfloat16).requires_grad_(True),
+    )
+
+
+def _roundtrip_body(rank: int, world_size: int) -> list[int]:
+    ch = _channels(world_size)
+    sends_per_mb = []
+    for mb in range(3):
+        if rank == 0:
+            value = _values(mb)
+            before = sum(len(v) for v in ch._pending.values())
+            ch.send_activation(value, 0, "train", "stage 0")
+            ch.send_activation(value[0] * 2, 2, "train", "stage 0, chunk 2")  # to chunk 3
+            sends_per_mb.append(sum(len(v) for v in ch._pending.values()) - before)
+            grads = ch.recv_grads(value, 0)
+            assert grads[1] is None and grads[2] is None  # no grad for ints and bools
+            torch.testing.assert_close(grads[0], torch.full((3, 4), 3.0))
+            torch.testing.assert_close(grads[3], torch.ones(2, 3, dtype=torch.bfloat16))
+            ch.wait_sends()
+        else:
+            got = ch.recv_activation(1, "train")
+            single = ch.recv_activation(3, "train")
+            assert isinstance(got, tuple) and torch.is_tensor(single)
+            for a, b in zip(got, _values(mb)):
+                assert a.dtype == b.dtype and a.requires_grad == b.requires_grad
+                torch.testing.assert_close(a, b.detach())
+            torch.testing.assert_close(single, _values(mb)[0].detach() * 2)
+            ((got[0] * 3).sum() + got[3].float().sum()).backward()
+            ch.send_grads(got, 1)
+            ch.wait_sends()
+    return sends_per_mb
+
+
+def test_tensors_tuples_and_dtypes_roundtrip_with_one_header() -> None:
+    sends = run_on_ranks(_roundtrip_body, 2)[0]
+    # first micro-batch: length + header + 4 tensors, and length + header + 1 tensor
+    assert sends == [2 + 4 + 2 + 1, 4 + 1, 4 + 1]
+
+
+def _shape_change_body(rank: int, world_size: int) -> str:
+    ch = _channels(world_size)
+    if rank == 1:
+        ch.recv_activation(1, "train")
+        return ""
+    ch.send_activation(torch.zeros(2, 3), 0, "train", "stage 0, micro-batch 0")
+    try:
+        ch.send_activation(torch.zeros(4, 3), 0, "train", "stage 0, micro-batch 1")
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ch.wait_sends()
+    return "no error"
+
+
+def test_changed_shape_is_an_error_naming_both_shapes() -> None:
+    message = run_on_ranks(_shape_change_body, 2)[0]
+    assert "stage 0, micro-batch 1" in message
+    assert "torch.float32[2, 3]" in message and "torch.float32[4, 3]" in message
+
+
+def test_non_tensor_output_names_the_stage() -> None:
+    with pytest.raises(TypeError, match=r"stage 1 .*item 1 of the output is a dict"):
+        as_tensor_tuple((torch.zeros(1), {"a": 1}), "stage 1 (layers 3-5)")
+    with pytest.raises(TypeError, match="the output is a str"):
+        as_tensor_tuple("x", "stage 0")
+    assert len(as_tensor_tuple([torch.zeros(1), torch.ones(1)], "")) == 2
