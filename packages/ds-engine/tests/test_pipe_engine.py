@@ -141,6 +141,45 @@ def test_initialize_pipeline_trains_like_sequential(
     assert all(r == results[0] for r in results)
 
 
+def _bf16_body(rank: int, world_size: int) -> list[float]:
+    import ds_engine
+    from ds_optim import WarmupLR
+
+    gas = 3
+    module = _module(world_size, 1)
+    config = _config(0, gas, 1, bf16={"enabled": True})
+    engine, _, _, _ = ds_engine.initialize(config=config, model=module)
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert engine.zero is not None  # fp32 master weights behind the bf16 parameters
+    ref = _reference(_layers())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_sched = WarmupLR(ref_opt, warmup_max_lr=0.05, warmup_num_steps=3)
+    losses = []
+    for step in range(6):
+        data = [_batch(step, mb, 0) for mb in range(gas)]  # fp32 inputs: the engine casts
+        loss = float(engine.train_batch(iter(data)))
+        ref_opt.zero_grad()
+        total = 0.0
+        for x, y in data:
+            value = nn.functional.mse_loss(ref(x), y)
+            (value / gas).backward()
+            total += float(value.detach())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_sched.step()
+        assert math.isclose(loss, total / gas, rel_tol=BF16_TOLERANCE), (step, loss, total / gas)
+        losses.append(loss)
+    return losses
+
+
+BF16_TOLERANCE = 5e-2  # bf16 activations and weights (8 bits of mantissa) against fp32
+
+
+def test_bf16_pipeline_keeps_fp32_masters_and_casts_inputs() -> None:
+    results = run_on_ranks(_bf16_body, 2)
+    assert results[0] == results[1]
+
+
 def _zero23_body(rank: int, world_size: int) -> list[str]:
     import ds_engine
 

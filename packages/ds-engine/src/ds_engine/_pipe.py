@@ -112,6 +112,14 @@ class ZeroStage1Step:
         return StepResult(skipped=bool(skipped), grad_norm=None if norm is None else float(norm))
 
 
+def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_dtype(v, dtype) for v in value)
+    return value
+
+
 def _repeat(loader: DeepSpeedDataLoader) -> Iterator[Any]:
     """Micro-batches of ``loader`` for ever, epoch after epoch (DeepSpeed's RepeatingLoader)."""
     for _ in itertools.count():
@@ -144,14 +152,16 @@ class PipelineDeepSpeedEngine:
         self.dp_rank = self.grid.axis_rank("data")
         self.dp_world_size = self.grid.axis_world_size("data")
         self.global_rank = ds_comm.get_rank()
-        low = _LOW.get(config.param_dtype_name)
-        if low is not None:
-            module.to(low)
+        self.low = _LOW.get(config.param_dtype_name)
+        if self.low is not None:
+            module.to(self.low)
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
         client = self._client_optimizer(optimizer, model_parameters)
         grad_step = None
         self.zero: ZeroOptimizer | None = None
-        if client is not None and config.zero_optimization.stage == 1:
+        # ZeRO stage 1 shards the optimizer state; fp16/bf16 need its fp32 master weights (a
+        # plain optimizer would step the 16-bit parameters themselves), at stage 0 too.
+        if client is not None and (config.zero_optimization.stage == 1 or self.low is not None):
             self.zero = ZeroOptimizer(
                 module,
                 client,
@@ -186,7 +196,7 @@ class PipelineDeepSpeedEngine:
                 collate_fn=collate_fn,
                 seed=config.seed if config.seed is not None else 0,
             )
-            self.pipe.set_dataiterator(_repeat(self.training_dataloader))
+            self.set_dataiterator(_repeat(self.training_dataloader))
 
     def _client_optimizer(self, optimizer: Any, model_parameters: Any) -> Any:
         section = self.config.optimizer
@@ -224,7 +234,7 @@ class PipelineDeepSpeedEngine:
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on ``gradient_accumulation_steps`` micro-batches; the mean loss on every stage."""
-        return self.pipe.train_batch(data_iter)
+        return self.pipe.train_batch(self._cast(data_iter))
 
     def eval_batch(
         self,
@@ -234,7 +244,9 @@ class PipelineDeepSpeedEngine:
         reduce_output: str | None = "avg",
     ) -> Any:
         """Forward one batch without gradients (see ``ds_pipe.PipelineEngine.eval_batch``)."""
-        return self.pipe.eval_batch(data_iter, return_logits, compute_loss, reduce_output)
+        return self.pipe.eval_batch(
+            self._cast(data_iter), return_logits, compute_loss, reduce_output
+        )
 
     def is_first_stage(self) -> bool:
         return self.pipe.is_first_stage()
@@ -243,7 +255,14 @@ class PipelineDeepSpeedEngine:
         return self.pipe.is_last_stage()
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        self.pipe.set_dataiterator(iterator)
+        self.pipe.set_dataiterator(self._cast(iterator))
+
+    def _cast(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        """fp16/bf16: floating-point inputs cast to the parameters' dtype (labels as given),
+        as DeepSpeed's pipeline engine does."""
+        if data_iter is None or self.low is None:
+            return data_iter
+        return ((_to_dtype(inputs, self.low), labels) for inputs, labels in data_iter)
 
     @property
     def global_steps(self) -> int:
