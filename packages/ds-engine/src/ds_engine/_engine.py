@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import ds_comm
+from ds_engine._accessors import ConfigAccessors
 from ds_engine._loader import DeepSpeedDataLoader
 from ds_engine._local_step import SelfReducingStep
 from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
@@ -41,7 +42,7 @@ def _dp_group_of(mpu: Any) -> tuple[Any, int, int]:
     return group, ds_comm.get_rank(group), ds_comm.get_world_size(group)
 
 
-class DeepSpeedEngine(nn.Module):
+class DeepSpeedEngine(ConfigAccessors, nn.Module):
     """Trains ``model`` as ``config`` says (see [Note: what the engine adds to ds-zero]).
 
     Build it with :func:`ds_engine.initialize`. The loop is DeepSpeed's::
@@ -192,32 +193,6 @@ class DeepSpeedEngine(nn.Module):
         if self.config.scheduler is None:
             return None
         return build_lr_scheduler(self.config.scheduler, torch_optimizer)
-
-    # --- config accessors (DeepSpeed's names) ------------------------------------------------
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per forward/backward on one rank."""
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        """The ZeRO stage (0: plain data parallelism)."""
-        return self.config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        """True when training in fp16 with loss scaling."""
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        """True when training in bf16."""
-        return self.config.bf16.enabled
 
     # --- training --------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ import torch
 
 import ds_comm
 from ds_engine import __version__
+from ds_engine._accessors import ConfigAccessors
 from ds_engine._checkpoint import _write_latest, check_client_state
 from ds_engine._loader import DeepSpeedDataLoader
 from ds_engine.api import ConfigError, DeepSpeedConfig
@@ -126,7 +127,7 @@ def _repeat(loader: DeepSpeedDataLoader) -> Iterator[Any]:
         yield from loader
 
 
-class PipelineDeepSpeedEngine:
+class PipelineDeepSpeedEngine(ConfigAccessors):
     """The engine ``initialize()`` returns for a ``PipelineModule`` (see [Note: the pipeline
     engine under initialize()]).
 
@@ -284,24 +285,6 @@ class PipelineDeepSpeedEngine:
     def get_global_grad_norm(self) -> float | None:
         """The last step's gradient norm over every stage and replica."""
         return self.pipe.get_global_grad_norm()
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
 
     # --- checkpoints (see [Note: pipeline checkpoints]) ----------------------------------------
 
