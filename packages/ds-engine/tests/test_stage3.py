@@ -160,3 +160,27 @@ def _module_only_body(rank: int, world_size: int, *, path: str, load_stage: int)
 def test_stage3_checkpoint_loads_module_only(load_stage: int, tmp_path: Path) -> None:
     kwargs = {"path": str(tmp_path / "ckpt"), "load_stage": load_stage}
     assert run_on_ranks(_module_only_body, 2, timeout=300, **kwargs) == [True, True]
+
+
+def _save_16bit_with_buffers_body(rank: int, world_size: int, *, path: str) -> bool:
+    import torch
+    from _engine_testing import OUT
+
+    import ds_engine
+
+    model = torch.nn.Sequential(make_mlp(0), torch.nn.BatchNorm1d(OUT))  # a 0-d buffer too
+    cfg = _config(3, stage3_gather_16bit_weights_on_model_save=True)
+    engine, _, loader, _ = ds_engine.initialize(
+        model=model, config=cfg, training_data=make_dataset(48)
+    )
+    _train(engine, _forever(loader), 1)
+    assert engine.save_16bit_model(path) is True
+    saved = torch.load(Path(path) / "pytorch_model.bin", weights_only=True)
+    assert saved["1.num_batches_tracked"].ndim == 0
+    plain = torch.nn.Sequential(make_mlp(0), torch.nn.BatchNorm1d(OUT))
+    plain.load_state_dict(saved)
+    return True
+
+
+def test_save_16bit_model_keeps_buffers(tmp_path: Path) -> None:
+    run_on_ranks(_save_16bit_with_buffers_body, 2, path=str(tmp_path), timeout=300)

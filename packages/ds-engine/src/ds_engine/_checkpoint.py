@@ -210,13 +210,14 @@ def _gathered_state(module: torch.nn.Module, rank: int) -> dict[str, torch.Tenso
     """The module's state dict with ZeRO-3 parameters gathered one at a time, on ``rank`` 0
     (others get an empty dict). Tied parameters stay one tensor under both names."""
     state: dict[str, torch.Tensor] = {}
-    copies: dict[int, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor | None] = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if id(value) not in copies:
-            with GatheredParameters([value]):
-                copies[id(value)] = value.detach().cpu().clone() if rank == 0 else value[:0]
-        if rank == 0:
-            state[key] = copies[id(value)]
+            with GatheredParameters([value]):  # every rank: it is a collective
+                copies[id(value)] = value.detach().cpu().clone() if rank == 0 else None
+        copy = copies[id(value)]
+        if copy is not None:
+            state[key] = copy
     return state
 
 
