@@ -19,12 +19,13 @@ object) is an error naming where it sits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,14 @@ from ds_zero import save_fsynced as _write  # module-level name: the crash test 
 if TYPE_CHECKING:
     from ds_engine._engine import DeepSpeedEngine
 
-__all__ = ["check_client_state", "load_checkpoint", "save_16bit_model", "save_checkpoint"]
+__all__ = [
+    "check_client_state",
+    "load_checkpoint",
+    "resolve_checkpoint",
+    "save_16bit_model",
+    "save_checkpoint",
+    "tag_directory",
+]
 
 _LATEST = "latest"
 _ZERO = (ZeroOptimizer, Stage3Optimizer)
@@ -166,6 +174,46 @@ def _write_latest(save_dir: Path, tag: str) -> None:
     os.replace(temp, save_dir / _LATEST)
 
 
+@contextlib.contextmanager
+def tag_directory(
+    save_dir: str | os.PathLike[str], tag: str, *, rank: int, save_latest: bool
+) -> Iterator[Path]:
+    """The ``.<tag>.partial`` directory every rank writes into; on a clean exit rank 0 renames
+    it to ``<tag>`` and then updates ``latest`` (see [Note: checkpoint layout and crash
+    safety]). Every rank must enter it (it holds barriers)."""
+    _check_same_tag(tag)
+    root = Path(save_dir)
+    partial, target = root / f".{tag}.partial", root / tag
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    yield partial
+    _barrier()
+    if rank == 0:
+        replace_dir(partial, target)
+        if save_latest:
+            _write_latest(root, tag)
+    _barrier()
+
+
+def resolve_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
+    """``load_dir/tag`` (``tag`` None: the one ``latest`` names); None when there is no
+    ``latest``; an error naming the path when the directory is missing."""
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / _LATEST
+        if not latest.is_file():
+            return None
+        tag = latest.read_text().strip()
+    path = root / str(tag)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (tag {tag!r})")
+    _check_same_tag(str(tag))
+    return path
+
+
 def save_checkpoint(
     engine: DeepSpeedEngine,
     save_dir: str | os.PathLike[str],
@@ -178,32 +226,19 @@ def save_checkpoint(
     """Save the engine to ``save_dir/tag`` (see [Note: checkpoint layout and crash safety])."""
     check_client_state(dict(client_state))
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _check_same_tag(tag)
-    root = Path(save_dir)
-    partial, target = root / f".{tag}.partial", root / tag
     rank, mp = engine.global_rank, _mp_rank(engine)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    _barrier()
-    state = _engine_state(engine, client_state, exclude_frozen_parameters)
-    _write(_rng_state(), partial / _rng_file(rank))
-    if engine.dp_rank == 0:
-        _write(state, partial / f"mp_rank_{mp:02d}_model_states.pt")
-    save_expert_files(engine.module, partial, engine.expert_groups)
-    optimizer = engine.optimizer
-    if isinstance(optimizer, _ZERO):
-        save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
-    elif optimizer is not None and engine.dp_rank == 0:
-        _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
-    _barrier()
-    if rank == 0:
-        replace_dir(partial, target)
-        if save_latest:
-            _write_latest(root, tag)
-    _barrier()
-    return target
+    with tag_directory(save_dir, tag, rank=rank, save_latest=save_latest) as partial:
+        state = _engine_state(engine, client_state, exclude_frozen_parameters)
+        _write(_rng_state(), partial / _rng_file(rank))
+        if engine.dp_rank == 0:
+            _write(state, partial / f"mp_rank_{mp:02d}_model_states.pt")
+        save_expert_files(engine.module, partial, engine.expert_groups)
+        optimizer = engine.optimizer
+        if isinstance(optimizer, _ZERO):
+            save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
+        elif optimizer is not None and engine.dp_rank == 0:
+            _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
+    return Path(save_dir) / tag
 
 
 def _gathered_state(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
@@ -276,13 +311,6 @@ def _load_module(
         )
 
 
-def _resolve_tag(root: Path, tag: str | None) -> str | None:
-    if tag is not None:
-        return str(tag)
-    latest = root / _LATEST
-    return latest.read_text().strip() if latest.is_file() else None
-
-
 def _load_weights_from_shards(engine: DeepSpeedEngine, zero_dir: Path) -> None:
     """The module's weights from a sharded checkpoint's fp32 masters, one tensor at a time (a
     partitioned parameter is gathered, set and re-partitioned; every rank reads the same
@@ -308,15 +336,10 @@ def load_checkpoint(
     module_only: bool,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint written by :func:`save_checkpoint` (weights only, never code)."""
-    root = Path(load_dir)
-    resolved = _resolve_tag(root, tag)
-    if resolved is None:
-        engine.progress.write(f"no 'latest' file in {root}: nothing to load")
+    path = resolve_checkpoint(load_dir, tag)
+    if path is None:
+        engine.progress.write(f"no 'latest' file in {load_dir}: nothing to load")
         return None, None
-    path = root / resolved
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (tag {resolved!r})")
-    _check_same_tag(resolved)
     model_file = path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
     state = torch.load(model_file, map_location="cpu", weights_only=True)
     # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).

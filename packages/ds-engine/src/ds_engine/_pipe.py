@@ -30,9 +30,7 @@ loads only the layers, so it works across stage counts.
 from __future__ import annotations
 
 import itertools
-import shutil
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,12 +38,12 @@ import torch
 import ds_comm
 from ds_engine import __version__
 from ds_engine._accessors import ConfigAccessors
-from ds_engine._checkpoint import _write_latest, check_client_state
+from ds_engine._checkpoint import check_client_state, resolve_checkpoint, tag_directory
 from ds_engine._loader import DeepSpeedDataLoader
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
 from ds_pipe import PipelineEngine, StepResult
-from ds_zero import ZeroOptimizer, replace_dir, save_fsynced
+from ds_zero import ZeroOptimizer, save_fsynced
 
 __all__ = ["PipelineDeepSpeedEngine", "ZeroStage1Step", "check_pipeline_config"]
 
@@ -319,21 +317,11 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         client_state = dict(client_state or {})
         check_client_state(client_state)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        root = Path(save_dir)
-        partial, target = root / f".{tag}.partial", root / tag
-        if self.global_rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-        ds_comm.barrier()
-        self.module.save_state_dict(partial)
-        save_fsynced(self._rank_state(client_state), partial / self._state_file())
-        ds_comm.barrier()
-        if self.global_rank == 0:
-            replace_dir(partial, target)
-            if save_latest:
-                _write_latest(root, tag)
-        ds_comm.barrier()
+        with tag_directory(
+            save_dir, tag, rank=self.global_rank, save_latest=save_latest
+        ) as partial:
+            self.module.save_state_dict(partial)
+            save_fsynced(self._rank_state(client_state), partial / self._state_file())
         return True
 
     def load_checkpoint(
@@ -351,15 +339,9 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         Returns:
             ``(load_path, client_state)``, or ``(None, None)`` when there is nothing to load.
         """
-        root = Path(load_dir)
-        if tag is None:
-            latest = root / "latest"
-            if not latest.is_file():
-                return None, None
-            tag = latest.read_text().strip()
-        path = root / str(tag)
-        if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (tag {tag!r})")
+        path = resolve_checkpoint(load_dir, tag)
+        if path is None:
+            return None, None
         self.module.load_state_dir(path, strict=load_module_strict)
         if self.zero is not None:
             self.zero.refresh_fp32_params()

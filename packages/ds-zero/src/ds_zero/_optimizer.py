@@ -160,21 +160,12 @@ class ZeroOptimizer(AccumulationWindow):
         norm_exclude: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
-        if gradient_predivide_factor is not None and not (0 < gradient_predivide_factor < math.inf):
-            raise ValueError(
-                f"gradient_predivide_factor = {gradient_predivide_factor}: expected a finite "
-                "number > 0 (or None: divide by the world size before the sum)"
-            )
-        comm_dtype = _COMM_DTYPES.get(communication_data_type, communication_data_type)
-        if comm_dtype not in (None, *_COMM_DTYPES.values()):
-            raise ValueError(
-                f"communication_data_type = {communication_data_type!r}: expected one of "
-                f"{list(_COMM_DTYPES)}, a matching torch dtype, or None (the gradients' dtype)"
-            )
-        if gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps = {gradient_accumulation_steps}: >= 1")
-        if not gradient_clipping >= 0:
-            raise ValueError(f"gradient_clipping = {gradient_clipping}: expected >= 0")
+        comm_dtype = check_step_options(
+            gradient_accumulation_steps,
+            gradient_clipping,
+            gradient_predivide_factor,
+            communication_data_type,
+        )
         offload = self.config.offload_optimizer
         self.module, self.optimizer, self.group = model, optimizer, group
         self.loss_scaler = loss_scaler
@@ -563,6 +554,31 @@ class ZeroOptimizer(AccumulationWindow):
             buffers=staging,
             host=host + grads_host,
         )
+
+
+def check_step_options(
+    accumulation: int,
+    clipping: float,
+    predivide: float | None,
+    communication_data_type: torch.dtype | str | None,
+) -> torch.dtype | None:
+    """Validate the options every ZeRO optimizer takes; return the communication dtype."""
+    if predivide is not None and not (0 < predivide < math.inf):
+        raise ValueError(
+            f"gradient_predivide_factor = {predivide}: expected a finite number > 0 (or None: "
+            "divide by the world size before the sum)"
+        )
+    if accumulation < 1:
+        raise ValueError(f"gradient_accumulation_steps = {accumulation}: expected >= 1")
+    if not clipping >= 0:
+        raise ValueError(f"gradient_clipping = {clipping}: expected >= 0")
+    comm_dtype = _COMM_DTYPES.get(communication_data_type, communication_data_type)  # type: ignore[arg-type]
+    if comm_dtype not in (None, *_COMM_DTYPES.values()):
+        raise ValueError(
+            f"communication_data_type = {communication_data_type!r}: expected one of "
+            f"{list(_COMM_DTYPES)}, a matching torch dtype, or None (the gradients' dtype)"
+        )
+    return comm_dtype  # type: ignore[return-value]
 
 
 def _excluded_ranges(

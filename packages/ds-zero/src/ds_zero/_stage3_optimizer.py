@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._offload import accepts_fp16_param_groups, host_zeros
-from ds_zero._optimizer import _COMM_DTYPES, _dp_rank_and_size, _trainable_groups
+from ds_zero._optimizer import _dp_rank_and_size, _trainable_groups, check_step_options
 from ds_zero._partitioned import ParamPartitioner, shard_bounds
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
@@ -111,13 +111,12 @@ class Stage3Optimizer(AccumulationWindow):
                 'zero_optimization.offload_optimizer.device = "nvme" is not supported with stage '
                 '3 yet; use "cpu"'
             )
-        _check_numbers(gradient_accumulation_steps, gradient_clipping, gradient_predivide_factor)
-        comm_dtype = _COMM_DTYPES.get(communication_data_type, communication_data_type)
-        if comm_dtype not in (None, *_COMM_DTYPES.values()):
-            raise ValueError(
-                f"communication_data_type = {communication_data_type!r}: expected one of "
-                f"{list(_COMM_DTYPES)}, a matching torch dtype, or None (the gradients' dtype)"
-            )
+        comm_dtype = check_step_options(
+            gradient_accumulation_steps,
+            gradient_clipping,
+            gradient_predivide_factor,
+            communication_data_type,
+        )
         self.module, self.optimizer, self.group = model, optimizer, group
         self.loss_scaler = loss_scaler
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -402,35 +401,35 @@ class Stage3Optimizer(AccumulationWindow):
     def _publish(self, low: list[torch.Tensor] | None = None) -> None:
         """Write the masters (or their low-precision copies) into the shards, and persistent
         parameters whole."""
-        store = self.partitioner.shard_store
         sources = low if low is not None else self.masters
         with torch.no_grad():
-            for p in self._slots_params():
-                slot = self._slots[id(p)]
-                if slot.aliased:
-                    continue
-                if store is not None:
-                    store.fetch([p])
-                p.ds_tensor.copy_(sources[slot.index].narrow(0, slot.offset, slot.numel))
-                if store is not None:
-                    store.evict([p])
+            for p, master in self._resident_shards(sources):
+                p.ds_tensor.copy_(master)
             self.partitioner.write_full_from_shards(
                 [p for p in self._slots_params() if p.ds_persist]
             )
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the parameter shards (DeepSpeed's name)."""
-        store = self.partitioner.shard_store
         with torch.no_grad():
-            for p in self._slots_params():
-                slot = self._slots[id(p)]
-                if slot.aliased:
-                    continue
-                if store is not None:
-                    store.fetch([p])
-                self.masters[slot.index].narrow(0, slot.offset, slot.numel).copy_(p.ds_tensor)
-                if store is not None:
-                    store.evict([p])
+            for p, master in self._resident_shards(self.masters):
+                master.copy_(p.ds_tensor)
+
+    def _resident_shards(
+        self, flats: list[torch.Tensor]
+    ) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each trainable parameter whose shard is not a view of its master, with its slice
+        of ``flats`` (masters or their copies), its shard fetched from NVMe meanwhile."""
+        store = self.partitioner.shard_store
+        for p in self._slots_params():
+            slot = self._slots[id(p)]
+            if slot.aliased:
+                continue
+            if store is not None:
+                store.fetch([p])
+            yield p, flats[slot.index].narrow(0, slot.offset, slot.numel)
+            if store is not None:
+                store.evict([p])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (``set_to_none`` is accepted for torch parity)."""
@@ -594,18 +593,6 @@ class Stage3Optimizer(AccumulationWindow):
             buffers=working + self._bucket_bytes,
             host=host,
         )
-
-
-def _check_numbers(accumulation: int, clipping: float, predivide: float | None) -> None:
-    if predivide is not None and not (0 < predivide < math.inf):
-        raise ValueError(
-            f"gradient_predivide_factor = {predivide}: expected a finite number > 0 (or None: "
-            "divide by the world size before the sum)"
-        )
-    if accumulation < 1:
-        raise ValueError(f"gradient_accumulation_steps = {accumulation}: expected >= 1")
-    if not clipping >= 0:
-        raise ValueError(f"gradient_clipping = {clipping}: expected >= 0")
 
 
 def _elementwise(value: Any, master: torch.Tensor) -> bool:

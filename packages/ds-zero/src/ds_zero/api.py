@@ -98,8 +98,44 @@ def _count(where: str, value: Any, *, minimum: int) -> int:
     return int(value)
 
 
+class _OffloadTarget:
+    """What both offload sections share: ``device``, ``nvme_path``, ``enabled``, ``from_dict``."""
+
+    _KEY = ""  # the section's key under zero_optimization
+    device: str
+    nvme_path: str | None
+
+    def _check_target(self) -> str:
+        """Validate ``device`` and ``nvme_path``; return the section's config path."""
+        where = f"{_SECTION}.{self._KEY}"
+        if self.device not in _OFFLOAD_DEVICES:
+            raise ConfigError(
+                f"{where}.device = {self.device!r}: expected one of {list(_OFFLOAD_DEVICES)}"
+            )
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                f'{where}.nvme_path = {self.nvme_path!r}: device "nvme" needs a directory on the '
+                "NVMe drive, e.g. /local_nvme"
+            )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            object.__setattr__(self, "nvme_path", str(self.nvme_path))
+        return where
+
+    @property
+    def enabled(self) -> bool:
+        """True when the data lives off the compute device (``device`` is cpu or nvme)."""
+        return self.device != "none"
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> Any:
+        """Build from the JSON mapping (``None`` means no offload)."""
+        section = dict(section or {})
+        _check_keys(f"{_SECTION}.{cls._KEY}", section, {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        return cls(**section)
+
+
 @dataclass(frozen=True, kw_only=True)
-class OffloadOptimizerConfig:
+class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: ZeRO-Offload of the optimizer (stages 1 and 2).
 
     Attributes:
@@ -125,19 +161,10 @@ class OffloadOptimizerConfig:
     fast_init: bool = False
     ratio: float = 1.0
 
+    _KEY = "offload_optimizer"
+
     def __post_init__(self) -> None:
-        where = f"{_SECTION}.offload_optimizer"
-        if self.device not in _OFFLOAD_DEVICES:
-            raise ConfigError(
-                f"{where}.device = {self.device!r}: expected one of {list(_OFFLOAD_DEVICES)}"
-            )
-        if self.device == "nvme" and not self.nvme_path:
-            raise ConfigError(
-                f'{where}.nvme_path = {self.nvme_path!r}: device "nvme" needs a directory on the '
-                "NVMe drive, e.g. /local_nvme"
-            )
-        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
-            object.__setattr__(self, "nvme_path", str(self.nvme_path))
+        where = self._check_target()
         object.__setattr__(
             self, "buffer_count", _count(f"{where}.buffer_count", self.buffer_count, minimum=0)
         )
@@ -153,21 +180,9 @@ class OffloadOptimizerConfig:
             )
         object.__setattr__(self, "ratio", float(ratio))
 
-    @property
-    def enabled(self) -> bool:
-        """True when the optimizer step runs on the host (``device`` is cpu or nvme)."""
-        return self.device != "none"
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> OffloadOptimizerConfig:
-        """Build from the JSON ``offload_optimizer`` mapping (``None`` means no offload)."""
-        section = dict(section or {})
-        _check_keys(f"{_SECTION}.offload_optimizer", section, {f.name for f in fields(cls)})
-        return cls(**section)
-
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadParamConfig:
+class OffloadParamConfig(_OffloadTarget):
     """``zero_optimization.offload_param``: where stage 3 keeps parameter shards (ZeRO-Infinity).
 
     Attributes:
@@ -188,35 +203,14 @@ class OffloadParamConfig:
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
 
+    _KEY = "offload_param"
+
     def __post_init__(self) -> None:
-        where = f"{_SECTION}.offload_param"
-        if self.device not in _OFFLOAD_DEVICES:
-            raise ConfigError(
-                f"{where}.device = {self.device!r}: expected one of {list(_OFFLOAD_DEVICES)}"
-            )
-        if self.device == "nvme" and not self.nvme_path:
-            raise ConfigError(
-                f'{where}.nvme_path = {self.nvme_path!r}: device "nvme" needs a directory on the '
-                "NVMe drive, e.g. /local_nvme"
-            )
-        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
-            object.__setattr__(self, "nvme_path", str(self.nvme_path))
+        where = self._check_target()
         _bool(f"{where}.pin_memory", self.pin_memory)
         for name, minimum in (("buffer_count", 1), ("buffer_size", 1), ("max_in_cpu", 0)):
             value = _count(f"{where}.{name}", getattr(self, name), minimum=minimum)
             object.__setattr__(self, name, value)
-
-    @property
-    def enabled(self) -> bool:
-        """True when shards live off the compute device (``device`` is cpu or nvme)."""
-        return self.device != "none"
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> OffloadParamConfig:
-        """Build from the JSON ``offload_param`` mapping (``None`` means no offload)."""
-        section = dict(section or {})
-        _check_keys(f"{_SECTION}.offload_param", section, {f.name for f in fields(cls)})
-        return cls(**section)
 
 
 @dataclass(frozen=True, kw_only=True)
