@@ -16,8 +16,6 @@ from torch import nn
 
 from ds_testing import run_on_ranks
 
-pytest.importorskip("ds_pipe")
-
 DIM, ROWS, BASE_SEED = 8, 2, 1234
 
 

@@ -270,11 +270,14 @@ def test_errors_name_the_value_and_the_fix() -> None:
     run_on_ranks(_errors_body, 4)
 
 
-def test_a_process_group_is_required() -> None:
-    if torch.distributed.is_initialized():
-        pytest.skip("this pytest process already holds a default process group")
+def _no_group_body(rank: int, world_size: int) -> None:
+    assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match=r"call ds_comm\.init_distributed"):
         PipelineModule(pm.mlp_layers(), num_stages=1)
+
+
+def test_a_process_group_is_required() -> None:
+    run_on_ranks(_no_group_body, 1, init_process_group=False, fresh=True)
 
 
 def _nccl_body(rank: int, world_size: int) -> None:

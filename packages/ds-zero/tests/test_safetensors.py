@@ -73,7 +73,8 @@ def _read_header(path: Path) -> dict:
 
 
 def test_sharded_export_has_an_index_and_equals_training(checkpoint: Path, tmp_path: Path) -> None:
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors  # a test dependency of ds-zero
+
     from ds_zero import consolidate, export_safetensors
 
     files = export_safetensors(checkpoint, tmp_path, max_shard_size="40KB", progress=False)
@@ -101,7 +102,8 @@ def test_sharded_export_has_an_index_and_equals_training(checkpoint: Path, tmp_p
 
 
 def test_single_file_in_bf16(checkpoint: Path, tmp_path: Path) -> None:
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors  # a test dependency of ds-zero
+
     from ds_zero import consolidate, export_safetensors
 
     files = export_safetensors(checkpoint, tmp_path, dtype=torch.bfloat16, progress=False)
@@ -124,7 +126,8 @@ def _live_export_body(rank: int, world_size: int, *, out: str) -> list[int]:
 
 
 def test_live_stage3_model_exports_one_gathered_parameter_at_a_time(tmp_path: Path) -> None:
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors  # a test dependency of ds-zero
+
     sizes = run_on_ranks(_live_export_body, 2, out=str(tmp_path), timeout=300)
     assert all(0 in s for s in sizes)  # partitioned parameters were released again
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
