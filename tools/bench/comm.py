@@ -14,7 +14,8 @@ reduction erratic). Timing one call right after a barrier is the harsh case for 
 overhead: a rank that wakes from the barrier runs cold, and every microsecond before the transfer
 is issued delays the peer as well. The ``ds algo`` column is what ds-comm chose (see
 ``force_algorithm`` / ``DS_COMM_FORCE_ALGO`` in ``ds_comm/_collectives.py`` to pin one; ``shm``
-is the shared-memory all-gather between ranks of one host, which these local ranks are).
+is the shared-memory all-gather / reduce-scatter between ranks of one host, which these local
+ranks are).
 
 Sizes follow nccl-tests: the full buffer for all_reduce/broadcast, the output of all_gather, the
 input of reduce_scatter and all_to_all. Bus bandwidth = algbw x (2(n-1)/n for all_reduce, (n-1)/n

@@ -53,6 +53,12 @@ def test_local_reduce_matches_torch(op: ReduceOp, reference: object) -> None:
     acc = a.clone()
     alg.local_reduce(acc, b, op)
     assert torch.equal(acc, reference(a, b))  # type: ignore[operator]
+    out = torch.full_like(a, 99)  # the one-pass form into a third tensor leaves a and b alone
+    a_before, b_before = a.clone(), b.clone()
+    alg.reduce_into(out, a, b, op)
+    assert torch.equal(out, reference(a, b))  # type: ignore[operator]
+    assert torch.equal(a, a_before) and torch.equal(b, b_before)
+    assert op in alg.LOCAL_OPS
 
 
 def test_local_reduce_rejects_premul_sum() -> None:

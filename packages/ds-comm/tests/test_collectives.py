@@ -109,7 +109,7 @@ def _all_gather_body(rank: int, world_size: int) -> int:
 
     checks = 0
     for salt, (dtype, async_op, algo) in enumerate(
-        itertools.product(DTYPES, (False, True), ("native", "alltoall", "direct", "ring"))
+        itertools.product(DTYPES, (False, True), ("native", "shm", "alltoall", "direct", "ring"))
     ):
         what = f"{dtype} {algo} async={async_op}"
         with force_algorithm(all_gather=algo, all_gather_into_tensor=algo):
@@ -155,7 +155,7 @@ def _reduce_scatter_body(rank: int, world_size: int) -> int:
     from ds_comm._collectives import force_algorithm
 
     checks = 0
-    algos = ("native", "alltoall", "direct", "ring", "allreduce-slice")
+    algos = ("native", "shm", "alltoall", "direct", "ring", "allreduce-slice")
     for salt, (dtype, async_op) in enumerate(itertools.product(DTYPES, (False, True))):
         for op_name in _ops(dtype):
             op = getattr(ds_comm.ReduceOp, op_name)
@@ -295,11 +295,11 @@ def _subgroup_body(rank: int, world_size: int) -> int:
         group = dist.new_group(members)
         inside = rank in members
         n, me = len(members), members.index(rank) if inside else -1
-        for salt, algo in enumerate(("native", "alltoall", "direct", "ring")):
+        for salt, algo in enumerate(("native", "shm", "alltoall", "direct", "ring")):
             with force_algorithm(
                 all_gather_into_tensor=algo,
                 reduce_scatter_tensor=algo,
-                all_to_all_single="native" if algo == "alltoall" else "direct",
+                all_to_all_single="native" if algo in ("shm", "alltoall") else "direct",
                 all_reduce="upcast" if algo in ("direct", "ring") else "native",
             ):
                 mine = _values(rank, 6 * n, "float32", salt)
@@ -443,7 +443,7 @@ def test_point_to_point(world_size: int) -> None:
 
 def test_subgroups() -> None:
     counts = run_on_ranks(_subgroup_body, 4)
-    assert counts == [8] * 4
+    assert counts == [10] * 4
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

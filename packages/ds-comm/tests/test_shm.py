@@ -219,3 +219,157 @@ def test_atexit_hook_unlinks_names_left_by_an_error() -> None:
     assert path in _shm._CREATED and os.path.exists(path)
     _shm._unlink_created()
     assert not os.path.exists(path) and path not in _shm._CREATED
+
+
+# --- the list all-gather and reduce-scatter ------------------------------------------------------
+
+RS_DTYPES = ["float32", "bfloat16", "float16", "int64", "uint16", "float8_e4m3fn"]
+# Elements per destination, in call order: odd sizes, growth past the segment, then shrinking.
+RS_NUMELS = [1, 7, 4097, 3, 65_537, 250_001, 12]
+
+
+def _ints(rank: int, numel: int, dtype: str, salt: int) -> torch.Tensor:
+    """Small non-negative integers seeded by rank: sums of 4 are exact in every dtype here."""
+    gen = torch.Generator().manual_seed(7919 * salt + rank)
+    return torch.randint(0, 4, (numel,), generator=gen).to(torch.float32).to(getattr(torch, dtype))
+
+
+def _sum(blocks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([b.to(torch.float64) for b in blocks]).sum(0).to(blocks[0].dtype)
+
+
+def _list_gather_body(rank: int, world_size: int) -> list[str]:
+    import ds_comm
+
+    for salt, numel in enumerate(NUMELS):
+        for dtype in ("float32", "bfloat16", "uint8", "float8_e4m3fn"):
+            # uneven: rank r contributes numel + r elements
+            shards = [_shard(r, numel + r, dtype, salt) for r in range(world_size)]
+            outs = {}
+            for algo in ("shm", "alltoall"):
+                outs[algo] = [torch.empty_like(s) for s in shards]
+                with ds_comm.force_algorithm(all_gather=algo):
+                    ds_comm.all_gather(outs[algo], shards[rank])
+            for r in range(world_size):
+                assert torch.equal(_bits(outs["shm"][r]), _bits(shards[r])), (numel, dtype, r)
+                assert torch.equal(_bits(outs["alltoall"][r]), _bits(shards[r]))
+    # strided outputs (columns of a matrix) and in place (the input is this rank's entry)
+    with ds_comm.force_algorithm(all_gather="shm"):
+        shards = [_shard(r, 40_000, "float32", 99) for r in range(world_size)]
+        matrix = torch.zeros(40_000, world_size)
+        ds_comm.all_gather(list(matrix.unbind(1)), shards[rank])
+        assert torch.equal(_bits(matrix), _bits(torch.stack(shards, dim=1)))
+        outs = [torch.zeros(40_000) for _ in range(world_size)]
+        outs[rank].copy_(shards[rank])
+        ds_comm.all_gather(outs, outs[rank])
+        assert all(torch.equal(_bits(o), _bits(s)) for o, s in zip(outs, shards))
+    torch.distributed.barrier()
+    return _leftovers()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_list_all_gather_uneven_strided_in_place(world_size: int) -> None:
+    assert run_on_ranks(_list_gather_body, world_size, timeout=300) == [[]] * world_size
+
+
+def _reduce_scatter_body(rank: int, world_size: int) -> list[str]:
+    import ds_comm
+
+    n = world_size
+    with ds_comm.force_algorithm(
+        reduce_scatter_tensor="shm", reduce_scatter="shm", all_gather_into_tensor="shm"
+    ):
+        for salt, numel in enumerate(RS_NUMELS):
+            for dtype in RS_DTYPES:
+                inputs = [_ints(r, numel * n, dtype, salt) for r in range(n)]
+                expected = _sum([t[rank * numel : (rank + 1) * numel] for t in inputs])
+                source = inputs[rank].clone()
+                out = torch.empty(numel, dtype=source.dtype)
+                ds_comm.reduce_scatter_tensor(out, source)
+                assert torch.equal(_bits(out), _bits(expected)), (numel, dtype)
+                assert torch.equal(_bits(source), _bits(inputs[rank])), "input changed"
+                # in place: the output is this rank's block of the input
+                mine = source[rank * numel : (rank + 1) * numel]
+                ds_comm.reduce_scatter_tensor(mine, source)
+                assert torch.equal(_bits(mine), _bits(expected)), (numel, dtype, "in place")
+                # an all-gather in between shares the group's segment and counters
+                gathered = torch.empty(numel * n, dtype=out.dtype)
+                ds_comm.all_gather_into_tensor(gathered, out)
+                assert torch.equal(_bits(gathered), _bits(_sum(inputs))), (numel, dtype)
+                # uneven list form: the block for rank j has numel + j elements
+                sizes = [numel + j for j in range(n)]
+                lists = [
+                    list(_ints(r, sum(sizes), dtype, salt + 50).split(sizes)) for r in range(n)
+                ]
+                out = torch.empty(sizes[rank], dtype=out.dtype)
+                ds_comm.reduce_scatter(out, lists[rank])
+                assert torch.equal(_bits(out), _bits(_sum([b[rank] for b in lists])))
+        # AVG and MAX over a large message, async
+        full = [_ints(r, 100_000 * n, "float32", 7) for r in range(n)]
+        blocks = [t[rank * 100_000 : (rank + 1) * 100_000] for t in full]
+        avg, top = torch.empty(100_000), torch.empty(100_000)
+        works = [
+            ds_comm.reduce_scatter_tensor(avg, full[rank], op=ds_comm.ReduceOp.AVG, async_op=True),
+            ds_comm.reduce_scatter_tensor(top, full[rank], op=ds_comm.ReduceOp.MAX, async_op=True),
+        ]
+        for work in reversed(works):  # any wait order: calls finish in issue order
+            work.wait()
+        assert torch.equal(avg, torch.stack(blocks).sum(0) / n)
+        assert torch.equal(top, torch.stack(blocks).amax(0))
+    torch.distributed.barrier()
+    return _leftovers()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter_exact_across_sizes_dtypes_and_layouts(world_size: int) -> None:
+    assert run_on_ranks(_reduce_scatter_body, world_size, timeout=300) == [[]] * world_size
+
+
+def _refused_op_body(rank: int, world_size: int) -> str:
+    import ds_comm
+
+    premul = torch.distributed._make_nccl_premul_sum(2.0)
+    with ds_comm.force_algorithm(reduce_scatter_tensor="shm"):
+        try:
+            ds_comm.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * world_size), op=premul)
+        except ValueError as exc:
+            message = str(exc)
+        else:
+            message = "no error"
+        out = torch.empty(4)  # the group is still in step: the next op completes
+        ds_comm.reduce_scatter_tensor(out, torch.ones(4 * world_size))
+        assert torch.equal(out, torch.full((4,), float(world_size)))
+    return message
+
+
+def test_unsupported_reduce_op_is_refused_before_any_transfer() -> None:
+    for message in run_on_ranks(_refused_op_body, 2, timeout=120):
+        assert "not supported" in message, message
+
+
+def _auto_scatter_body(rank: int, world_size: int) -> list[str]:
+    import ds_comm
+    from ds_comm import _collectives, _instrument
+
+    algos: list[str] = []
+    hook = lambda rec: algos.append(f"{rec.fingerprint.op}:{rec.algo}")  # noqa: E731
+    _instrument.TRACKER.on_end.append(hook)
+    try:
+        for numel in (16, _collectives.SHM_MIN_BYTES // 4 // world_size):
+            shard = torch.ones(numel)
+            ds_comm.all_gather([torch.empty(numel) for _ in range(world_size)], shard)
+            ds_comm.reduce_scatter(shard, [torch.ones(numel) for _ in range(world_size)])
+            ds_comm.reduce_scatter_tensor(shard, torch.ones(numel * world_size))
+            assert torch.equal(shard, torch.full_like(shard, float(world_size)))
+    finally:
+        _instrument.TRACKER.on_end.remove(hook)
+    return algos
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_list_all_gather_and_reduce_scatter_choose_shm_from_the_threshold(world_size: int) -> None:
+    small = "alltoall" if world_size == 2 else "native"
+    expected = [f"all_gather:{small}", "reduce_scatter:alltoall", "reduce_scatter_tensor:alltoall"]
+    expected += ["all_gather:shm", "reduce_scatter:shm", "reduce_scatter_tensor:shm"]
+    for algos in run_on_ranks(_auto_scatter_body, world_size, timeout=120):
+        assert algos == expected

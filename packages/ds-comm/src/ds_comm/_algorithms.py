@@ -36,6 +36,7 @@ from torch.distributed import ReduceOp
 
 __all__ = [
     "DIRECT_TAG",
+    "LOCAL_OPS",
     "RING_TAG_BASE",
     "Pending",
     "WaitOnce",
@@ -46,6 +47,7 @@ __all__ = [
     "all_gather_ring",
     "all_reduce_upcast",
     "all_to_all_direct",
+    "average",
     "broadcast_bytes",
     "local_reduce",
     "overlaps",
@@ -53,6 +55,7 @@ __all__ = [
     "reduce_scatter_alltoall",
     "reduce_scatter_direct",
     "reduce_scatter_pair",
+    "reduce_into",
     "reduce_scatter_ring",
     "reduce_upcast",
     "upcast_dtype",
@@ -98,27 +101,50 @@ def wire(t: torch.Tensor) -> torch.Tensor:
     return (t if t.dim() == 1 else t.view(-1)).view(torch.uint8)
 
 
-def local_reduce(acc: torch.Tensor, other: torch.Tensor, op: Any) -> None:
-    """``acc = acc (op) other`` in place; AVG accumulates a sum (the caller divides once at the end)."""
+# The reduce ops that :func:`reduce_into` and :func:`local_reduce` compute.
+LOCAL_OPS = (
+    ReduceOp.SUM,
+    ReduceOp.AVG,
+    ReduceOp.PRODUCT,
+    ReduceOp.MIN,
+    ReduceOp.MAX,
+    ReduceOp.BAND,
+    ReduceOp.BOR,
+    ReduceOp.BXOR,
+)
+
+
+def reduce_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: Any) -> None:
+    """``out = a (op) b`` elementwise (``out`` may be ``a``); AVG sums (divide once at the end).
+
+    One pass over the data, where :func:`local_reduce` into a fresh accumulator would need a
+    copy first.
+    """
     if op in (ReduceOp.SUM, ReduceOp.AVG):
-        acc.add_(other)
+        torch.add(a, b, out=out)
     elif op == ReduceOp.PRODUCT:
-        acc.mul_(other)
+        torch.mul(a, b, out=out)
     elif op == ReduceOp.MIN:
-        torch.minimum(acc, other, out=acc)
+        torch.minimum(a, b, out=out)
     elif op == ReduceOp.MAX:
-        torch.maximum(acc, other, out=acc)
+        torch.maximum(a, b, out=out)
     elif op == ReduceOp.BAND:
-        acc.bitwise_and_(other)
+        torch.bitwise_and(a, b, out=out)
     elif op == ReduceOp.BOR:
-        acc.bitwise_or_(other)
+        torch.bitwise_or(a, b, out=out)
     elif op == ReduceOp.BXOR:
-        acc.bitwise_xor_(other)
+        torch.bitwise_xor(a, b, out=out)
     else:
         raise ValueError(f"reduce op {op} is not supported by ds-comm's fallback algorithms")
 
 
-def _average(acc: torch.Tensor, n: int) -> None:
+def local_reduce(acc: torch.Tensor, other: torch.Tensor, op: Any) -> None:
+    """``acc = acc (op) other`` in place; AVG accumulates a sum (the caller divides once at the end)."""
+    reduce_into(acc, acc, other, op)
+
+
+def average(acc: torch.Tensor, n: int) -> None:
+    """Divide a summed ``acc`` by ``n`` in place (integers truncate, as gloo's AVG would)."""
     if acc.is_floating_point() or acc.is_complex():
         acc.div_(n)
     else:
@@ -461,7 +487,7 @@ def reduce_scatter_alltoall(
             for i in range(1, n):
                 local_reduce(acc, received[i], op)
         if op == ReduceOp.AVG:
-            _average(acc, n)
+            average(acc, n)
         output.view(-1).copy_(acc)
 
     return Pending([work], finish)
@@ -496,7 +522,7 @@ def reduce_scatter_pair(
         result = landing.view(output.dtype)
         local_reduce(result, own.reshape(-1), op)
         if op == ReduceOp.AVG:
-            _average(result, 2)
+            average(result, 2)
         if in_place:
             target.copy_(landing)
 
@@ -565,7 +591,7 @@ def reduce_scatter_direct(
             for i in range(n - 1):
                 local_reduce(acc, scratch[i, start:stop].to(acc_dtype), op)
             if op == ReduceOp.AVG:
-                _average(acc, n)
+                average(acc, n)
             flat_out[start:stop].copy_(acc)
         for work in send_all:
             work.wait()
@@ -603,7 +629,7 @@ def reduce_scatter_ring(
             local_reduce(incoming, inputs[j].reshape(-1).to(acc_dtype), op)
             acc = incoming
         if op == ReduceOp.AVG:
-            _average(acc, n)
+            average(acc, n)
         output.view(-1).copy_(acc)
 
     if n == 1:
@@ -631,7 +657,7 @@ def reduce_scatter_allreduce(
     def finish() -> None:
         mine = flat[offset : offset + output.numel()]
         if op == ReduceOp.AVG:
-            _average(mine, len(inputs))
+            average(mine, len(inputs))
         output.view(-1).copy_(mine)
 
     return Pending([work], finish)
@@ -653,7 +679,7 @@ def all_reduce_upcast(
 
     def finish() -> None:
         if op == ReduceOp.AVG:
-            _average(wide, n)
+            average(wide, n)
         tensor.copy_(wide)
 
     return Pending([work], finish)
@@ -676,7 +702,7 @@ def reduce_upcast(
     def finish() -> None:
         if is_dst:
             if op == ReduceOp.AVG:
-                _average(wide, n)
+                average(wide, n)
             tensor.copy_(wide)
 
     return Pending([work], finish)

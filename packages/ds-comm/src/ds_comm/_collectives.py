@@ -11,18 +11,20 @@ Per call:
    ``DS_COMM_FORCE_ALGO="op=algo,..."`` (read at the first call). Tests and benchmarks pin
    algorithms this way, including fallbacks that the running torch never needs.
 2. Otherwise the fastest algorithm measured for the backend (``tools/bench/comm.py``). On gloo,
+   all-gather and reduce-scatter (both forms) of ``SHM_MIN_BYTES`` (64 KiB of all-gather output
+   or reduce-scatter input) and up on CPU tensors, between ranks that all run on one x86-64
+   host (checked once per group), go through shared memory (see [Note: shared-memory
+   all-gather] and [Note: shared-memory reduce-scatter] in ``_shm.py``): no socket at all. On
+   2 ranks they measured 2.2-6x torch's from 1 MiB up (the all-to-all below reached only
+   1.3-3x, short of 1.5x for the list all-gather at 1 MiB), and on 4 ranks 3-9x torch's,
+   where the all-to-all reduce-scatter reached 1-3x. Below 64 KiB per-call overhead decides:
    reduce-scatter between 2 and 8 ranks and all-gather on 2 ranks go over one all-to-all (see
-   [Note: all-gather and reduce-scatter over all-to-all] in ``_algorithms.py``): 1.5-3.6x
-   torch's from 1 MiB up on 2 ranks. With more ranks an all-gather must copy its block once per
-   rank, and it measured no faster than gloo's own on 4 ranks, so it stays native; above 8 ranks
-   (several hosts) gloo's ring, with fewer and larger messages per link, is kept. Overriding
-   these, ``all_gather_into_tensor`` of ``SHM_MIN_BYTES`` (64 KiB of output) and up on CPU
-   tensors, between ranks that all run on one x86-64 host (checked once per group), goes
-   through shared memory (see [Note: shared-memory all-gather] in ``_shm.py``): no socket at
-   all. From 64 KiB it measured 1.3-3.6x gloo's own on 4 ranks and level with the all-to-all
-   on 2 ranks, which it beats from 1 MiB; below, per-call overhead decides. Uneven or
-   strided all-gather/reduce-scatter lists always take the all-to-all on gloo, whose own refuse
-   them. NCCL's native ops are optimal, and every other op is native.
+   [Note: all-gather and reduce-scatter over all-to-all] in ``_algorithms.py``). With more
+   ranks an all-to-all all-gather must copy its block once per rank, and it measured no faster
+   than gloo's own on 4 ranks, so small ones stay native; above 8 ranks (several hosts) gloo's
+   ring, with fewer and larger messages per link, is kept. Small uneven or strided
+   all-gather/reduce-scatter lists take the all-to-all on gloo, whose own refuse them. NCCL's
+   native ops are optimal, and every other op is native.
 3. A fallback when the backend refuses that algorithm for this dtype and reduce op ("Invalid
    scalar type", "does not support ..."): the next one in ``_FALLBACKS``, which keep the
    bandwidth order of the op they replace (never gather-to-rank-0): all-reduce and reduce in a
@@ -75,10 +77,10 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("native", "upcast"),
     "reduce": ("native", "upcast"),
     "broadcast": ("native", "bytes"),
-    "all_gather": ("native", "alltoall", "direct", "ring"),
+    "all_gather": ("native", "shm", "alltoall", "direct", "ring"),
     "all_gather_into_tensor": ("native", "shm", "alltoall", "direct", "ring"),
-    "reduce_scatter": ("native", "alltoall", "direct", "ring", "allreduce-slice"),
-    "reduce_scatter_tensor": ("native", "alltoall", "direct", "ring", "allreduce-slice"),
+    "reduce_scatter": ("native", "shm", "alltoall", "direct", "ring", "allreduce-slice"),
+    "reduce_scatter_tensor": ("native", "shm", "alltoall", "direct", "ring", "allreduce-slice"),
     "all_to_all_single": ("native", "direct"),
 }
 _FALLBACKS: dict[str, tuple[str, ...]] = {
@@ -95,7 +97,8 @@ FORCE_ENV = "DS_COMM_FORCE_ALGO"
 
 # Largest group whose gloo reduce-scatter goes over all-to-all (one host).
 _ALLTOALL_MAX_RANKS = 8
-# Smallest all-gather output that takes the shared-memory path on one host (gloo, x86-64).
+# Smallest all-gather output / reduce-scatter input that goes through shared memory on one host
+# (gloo, x86-64).
 SHM_MIN_BYTES = 64 << 10
 _FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "ds_comm_forced_algorithms", default=None
@@ -389,6 +392,13 @@ def _gather_algorithm(
     """Run a non-native all-gather into the list ``outputs`` (any strides, sizes per rank)."""
     source = tensor.contiguous()
     ranks, me = member.ranks, member.me
+    if algo == "shm":
+        staged, copy_back = _contiguous_outputs(outputs)
+        state = _shm.shm_group(group, ranks, me)
+        pending = state.all_gather(staged, source, "all_gather")
+        if pending is not None:
+            return _then(pending, copy_back)
+        algo = "alltoall"  # every rank alike: no segment could hold this message
     pair = len(ranks) == 2 and all(t.is_contiguous() for t in outputs)
     if algo == "alltoall" and pair:  # zero-copy: straight into the caller's tensors
         return alg.all_gather_pair(outputs[me], outputs[1 - me], source, group, me=me)
@@ -431,6 +441,8 @@ def all_gather(
     uniform = all(t.shape == tensor.shape and t.is_contiguous() for t in tensor_list)
     if member.backend == "gloo" and not uniform:
         preferred = "alltoall"  # gloo's own cannot take uneven or strided outputs
+    if _prefer_shm(group, member, [tensor, *tensor_list], _nbytes(tensor_list)):
+        preferred = "shm"
 
     def issue(algo: str) -> Any:
         if algo == "native":
@@ -475,7 +487,7 @@ def all_gather_into_tensor(
                 f"all_gather_into_tensor: output must have {n} x {input_tensor.numel()} elements,"
                 f" got {tuple(output_tensor.shape)}"
             )
-        if algo == "shm":
+        if algo == "shm":  # one buffer: no per-block views (see _shm.ShmGroup.all_gather)
             staged, copy_back = _contiguous_outputs([output_tensor])
             state = _shm.shm_group(group, member.ranks, member.me)
             pending = state.all_gather(
@@ -523,6 +535,14 @@ def _scatter_algorithm(
     staged, copy_back = _contiguous_outputs([output])
     target = staged[0]
     ranks, me = member.ranks, member.me
+    if algo == "shm":
+        state = _shm.shm_group(group, ranks, me)
+        pending = state.reduce_scatter(
+            target, [t.contiguous() for t in inputs], op, "reduce_scatter"
+        )
+        if pending is not None:
+            return _then(pending, copy_back)
+        algo = "alltoall"  # every rank alike: no segment could hold this message
     pair = len(ranks) == 2 and alg.accumulate_dtype(output.dtype) == output.dtype
     if algo == "alltoall" and pair:  # zero-copy: straight from the caller's tensors
         own, to_peer = inputs[me].contiguous(), inputs[1 - me].contiguous()
@@ -566,6 +586,8 @@ def reduce_scatter(
     preferred = _prefer_fast(member, gather=False)
     if member.backend == "gloo" and not all(t.shape == output.shape for t in input_list):
         preferred = "alltoall"  # gloo's own cannot take uneven blocks
+    if _prefer_shm(group, member, [output, *input_list], _nbytes(input_list)):
+        preferred = "shm"
 
     def issue(algo: str) -> Any:
         if algo == "native":
@@ -610,6 +632,15 @@ def reduce_scatter_tensor(
                 f"reduce_scatter_tensor: input must have {n} x {output.numel()} elements, "
                 f"got {tuple(input.shape)}"
             )
+        if algo == "shm":  # one buffer: no per-block views (see _shm.ShmGroup.reduce_scatter)
+            staged, copy_back = _contiguous_outputs([output])
+            state = _shm.shm_group(group, member.ranks, member.me)
+            pending = state.reduce_scatter(
+                staged[0], input.contiguous(), op, "reduce_scatter_tensor"
+            )
+            if pending is not None:
+                return _then(pending, copy_back)
+            algo = "alltoall"  # every rank alike: no segment could hold this message
         if algo == "alltoall" and output.is_contiguous():  # straight from the caller's buffer
             return alg.reduce_scatter_alltoall(
                 output, input.contiguous(), op, group, ranks=member.ranks, me=member.me
@@ -617,15 +648,20 @@ def reduce_scatter_tensor(
         blocks = list(input.contiguous().view(-1).split(output.numel()))
         return _scatter_algorithm(algo, output, blocks, op, group, member)
 
+    tensors = [output, input]
+    if _prefer_shm(group, member, tensors, input.nbytes):
+        preferred = "shm"
+    else:
+        preferred = _prefer_fast(member, gather=False)
     return _run(
         "reduce_scatter_tensor",
         group,
         member,
-        [output, input],
+        tensors,
         input.nbytes,
         async_op,
         issue,
-        preferred=_prefer_fast(member, gather=False),
+        preferred=preferred,
         redop=op,
     )
 

@@ -1,4 +1,5 @@
-"""All-gather through shared memory for groups whose ranks all run on one host (gloo, CPU).
+"""All-gather and reduce-scatter through shared memory for groups whose ranks all run on one host
+(gloo, CPU).
 
 [Note: shared-memory all-gather]
 Over TCP loopback both torch's gloo all-gather and ds-comm's all-to-all pay for every byte
@@ -32,6 +33,21 @@ Stale bytes only cause a re-check, and a sleep lasts at most 0.1 s, so a lost ri
 never correctness. A peer that has not arrived within the group's timeout fails the call with
 :class:`CollectiveTimeoutError` naming the op and the missing ranks, as gloo's own timeout would.
 
+[Note: shared-memory reduce-scatter]
+The same protocol (:meth:`ShmGroup._exchange`: same segment, counters and doorbells, so
+all-gathers and reduce-scatters of one group may interleave freely) with other slots: each rank
+copies the blocks of its input meant for its peers into its region of the segment (its own
+block stays where it is, so a rank writes (n-1)/n of its input, the bytes a socket algorithm
+sends), publishes, and reduces each peer's block for it as soon as that peer has arrived,
+straight from the segment into the output: ``out = own (op) first peer``, then ``out (op)=``
+each next one, one pass per peer and no scratch buffer (:func:`~ds_comm._algorithms.reduce_into`).
+Over TCP the same message costs a copy into the kernel, one out of it, and a wake-up per
+chunk before the reduction can start. With more than two ranks fp16/bf16 are summed in fp32 and
+rounded once; dtypes without CPU arithmetic use :func:`~ds_comm._algorithms.accumulate_dtype`.
+Blocks may differ in size per destination (the list form), as long as every rank passes the same
+sizes. The segment holds (n-1) x the input (every rank's region). A reduce op the local
+kernels lack is refused before this rank writes anything.
+
 [Note: memory ordering of the shm protocol]
 A rank copies its block into shared memory and then stores its sequence number; a peer loads the
 sequence number and then reads the block; after reading it stores its acknowledgement, which
@@ -50,6 +66,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import mmap
 import os
 import platform
@@ -58,13 +75,22 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
-from ds_comm._algorithms import Pending, wire
+from ds_comm._algorithms import (
+    LOCAL_OPS,
+    Pending,
+    accumulate_dtype,
+    average,
+    overlaps,
+    reduce_into,
+    wire,
+)
 from ds_comm._forensics import _pg_timeout_s
 from ds_comm.api import CollectiveTimeoutError
 
@@ -189,36 +215,142 @@ class ShmGroup:
         self.same_host = all(host == hosts[0][0] for host, _ in hosts)
         self.name = f"{PREFIX}{hosts[0][1]}"
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Pending | None:
-        """Gather contiguous ``input`` from every rank into contiguous ``output`` (group order).
+    def all_gather(
+        self, outputs: torch.Tensor | Sequence[torch.Tensor], input: torch.Tensor, op: str
+    ) -> Pending | None:
+        """Gather contiguous ``input`` from every rank into contiguous ``outputs``.
 
-        Returns None (on every rank alike) when no segment can hold the message.
+        ``outputs`` is one tensor holding every rank's block in group order (blocks the size of
+        ``input``), or one tensor per rank, each of that rank's size (sizes may differ per
+        rank; every rank passes the same sizes). Returns None (on every rank alike) when no
+        segment can hold the message.
+        """
+        own, me = wire(input), self.me
+        flat = wire(outputs) if isinstance(outputs, torch.Tensor) else None
+        if flat is not None:
+            offsets = [r * own.numel() for r in range(self.n + 1)]
+        else:
+            offsets = list(itertools.accumulate((t.nbytes for t in outputs), initial=0))
+
+        def dest(r: int) -> torch.Tensor:
+            return flat[offsets[r] : offsets[r + 1]] if flat is not None else wire(outputs[r])
+
+        def write(data: torch.Tensor) -> None:
+            data[offsets[me] : offsets[me + 1]].copy_(own)
+
+        def read(r: int, data: torch.Tensor) -> None:
+            dest(r).copy_(data[offsets[r] : offsets[r + 1]])
+
+        pending = self._exchange(offsets[-1], write, read, None, op)
+        mine = dest(me) if pending is not None else own
+        if mine.data_ptr() != own.data_ptr():  # not in place
+            mine.copy_(own)  # while the peers arrive
+        return pending
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: torch.Tensor | Sequence[torch.Tensor],
+        redop: Any,
+        op: str,
+    ) -> Pending | None:
+        """Reduce the blocks for rank r of every rank's ``inputs`` into rank r's ``output``.
+
+        ``inputs`` is one tensor holding the blocks for every rank in group order (each the size
+        of ``output``), or one tensor per rank, each of that rank's output size (sizes may differ
+        per rank; every rank passes the same sizes); all contiguous, in ``output``'s dtype.
+        ``output`` may be this rank's own block of the input (in place). See [Note:
+        shared-memory reduce-scatter]. Returns None (on every rank alike) when no segment can
+        hold the message.
+        """
+        if redop not in LOCAL_OPS:  # refused before any rank writes: none is left waiting
+            raise ValueError(f"{op} (shm): reduce op {redop} is not supported")
+        n, me = self.n, self.me
+        if isinstance(inputs, torch.Tensor):
+            source, size = wire(inputs), output.nbytes
+            sizes = [size] * n
+            blocks = [source[j * size : (j + 1) * size] for j in range(n)]
+        else:
+            blocks = [wire(t) for t in inputs]
+            sizes = [b.numel() for b in blocks]
+        starts = list(itertools.accumulate(sizes, initial=0))
+        total = starts[-1]
+        # Rank r's region holds its blocks for its peers, in rank order (its own is skipped).
+        regions = [r * total - starts[r] for r in range(n + 1)]
+
+        def where(r: int, j: int) -> int:  # offset of rank r's block for rank j (j != r)
+            return regions[r] + starts[j] - (sizes[r] if r < j else 0)
+
+        def write(data: torch.Tensor) -> None:
+            for j in range(n):
+                if j != me:
+                    data[where(me, j) : where(me, j) + sizes[j]].copy_(blocks[j])
+
+        own = blocks[me].view(output.dtype)
+        wide = accumulate_dtype(output.dtype)
+        if n > 2 and wide.is_floating_point and wide.itemsize < 4:
+            wide = torch.float32  # more than one rounding: sum fp16/bf16 in fp32
+        flat_out = output.view(-1)
+        in_place = flat_out.data_ptr() == own.data_ptr()
+        direct = wide == output.dtype and (in_place or not overlaps(flat_out, own))
+        acc = flat_out if direct else torch.empty(own.numel(), dtype=wide)
+        arrived = 0
+
+        def read(r: int, data: torch.Tensor) -> None:
+            nonlocal arrived
+            peer = data[where(r, me) : where(r, me) + sizes[me]].view(output.dtype)
+            first = own if arrived == 0 else acc
+            if wide != output.dtype:
+                peer, first = peer.to(wide), first.to(wide)
+            reduce_into(acc, first, peer, redop)
+            arrived += 1
+
+        def done() -> None:
+            if arrived == 0 and acc.data_ptr() != own.data_ptr():  # one rank: nothing to reduce
+                acc.copy_(own)
+            if redop == ReduceOp.AVG:
+                average(acc, n)
+            if acc is not flat_out:
+                flat_out.copy_(acc)
+
+        return self._exchange(regions[n], write, read, done, op)
+
+    def _exchange(
+        self,
+        nbytes: int,
+        write: Callable[[torch.Tensor], None],
+        read: Callable[[int, torch.Tensor], None],
+        done: Callable[[], None] | None,
+        op: str,
+    ) -> Pending | None:
+        """One op of the protocol in [Note: shared-memory all-gather] over ``nbytes`` of slots.
+
+        ``write(data)`` fills this rank's slots now; ``wait()`` on the result calls ``read(r,
+        data)`` for each peer r as soon as it has arrived, then ``done()``. Returns None (on
+        every rank alike) when no segment can hold ``nbytes``.
         """
         if self.last is not None:
             self.last.wait()  # ops complete in order: the previous one's slots are read
-        block = input.nbytes
-        if not self._ensure(block * self.n):
+        if not self._ensure(nbytes):
             return None
         seg = self.segment
         assert seg is not None
         self.seq += 1
         seq = self.seq
-        everyone = range(self.n)
-        self._wait(seg, _READ, seq - 1, everyone, op, "finish reading the previous op")
-        own = wire(input)
-        seg.data[self.me * block : (self.me + 1) * block].copy_(own)
+        self._wait(seg, _READ, seq - 1, range(self.n), op, "finish reading the previous op")
+        write(seg.data)
         self._publish(seg, _ARRIVED, seq)
-        out = wire(output)
-        out[self.me * block : (self.me + 1) * block].copy_(own)  # while peers arrive
 
         def finish() -> None:
-            for k in range(1, self.n):  # each peer's block as soon as it has arrived
+            for k in range(1, self.n):  # each peer as soon as it has arrived
                 r = (self.me + k) % self.n
                 self._wait(seg, _ARRIVED, seq, range(r, r + 1), op, "arrive")
-                out[r * block : (r + 1) * block].copy_(seg.data[r * block : (r + 1) * block])
+                read(r, seg.data)
             self._publish(seg, _READ, seq)
             if self.last is pending:
                 self.last = None  # do not keep the caller's tensors alive
+            if done is not None:
+                done()
 
         pending = self.last = Pending(finish=finish)
         return pending
@@ -274,7 +406,7 @@ class ShmGroup:
             if not self.usable:
                 return False
         old = self.segment.capacity if self.segment is not None else 0
-        capacity = -(-max(nbytes, 2 * old) // _PAGE) * _PAGE
+        capacity = -(-max(nbytes, 2 * old, 1) // _PAGE) * _PAGE
         self.segment = None  # a peer still reading the old one keeps its own mapping of it
         self.generation += 1
         path = os.path.join(SHM_DIR, f"{self.name}-{self.generation}")
