@@ -3,14 +3,19 @@
 On one directory and one total size:
 
 1. fio sweep (the peer): ``--ioengine=libaio --direct=1 --bs=1M`` sequential write then read,
-   over numjobs 1/2/4 x iodepth 32/128 (one fio setting understates the device), the total size
-   split across the jobs. It picks fio's best setting for read and for write.
+   over numjobs 1/2/4 x iodepth 32/128 x fio's buffers in 4 KiB pages or in transparent huge
+   pages (glibc's ``glibc.malloc.hugetlb=1`` tunable; AioHandle's locked buffers get huge pages,
+   see [Note: huge pages for locked buffers] in ds_offload_aio/_pinned.py, so fio gets the same
+   chance), the total size split across the jobs. One fio setting understates the device; the
+   sweep picks fio's best setting for read and for write.
 2. AioHandle's configuration: the best from the tuner (``ds_offload_aio.tune``, the engine of
    ``ds-nvme-tune``), or the one given with ``--aio-config``.
 3. Head to head, interleaved so that drift and neighbours' load hit both alike: per repeat, fio's
    best write setting, AioHandle ``sync_pwrite`` of one page-locked buffer of the total size to one
-   file, fio's best read setting, AioHandle ``sync_pread``; all O_DIRECT, files kept between
-   repeats on both sides. The verdict compares the best of these runs.
+   file, fio's best read setting, AioHandle ``sync_pread``; all O_DIRECT. File state is the same
+   on both sides: every timed write overwrites blocks already allocated and written (fio's files
+   were written by the sweep, AioHandle's file by an untimed write first), every read reads them.
+   The verdict compares the best of these runs.
 4. ``torch.save`` (with fsync) and ``torch.load`` of the same bytes; before each load the file's
    pages are dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed).
 
@@ -29,6 +34,7 @@ Usage (from the workspace root)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -46,6 +52,7 @@ from ds_offload_aio._tune import format_table, parse_size
 
 FIO_NUMJOBS = (1, 2, 4)
 FIO_IODEPTHS = (32, 128)
+FIO_HUGE_PAGES = (False, True)
 QUICK_SWEEP = {
     "block_size": ["1M"],
     "queue_depth": [8, 32, 128],
@@ -64,10 +71,12 @@ class Fio:
     size: int
     numjobs: int
     iodepth: int
+    huge_pages: bool = False  # fio's io buffers (glibc malloc) advised MADV_HUGEPAGE
 
     @property
     def name(self) -> str:
-        return f"fio numjobs={self.numjobs} iodepth={self.iodepth}"
+        pages = " thp" if self.huge_pages else ""
+        return f"fio numjobs={self.numjobs} iodepth={self.iodepth}{pages}"
 
     def run(self, rw: str) -> float:
         """GB/s of one fio run (fio's own measurement, file layout excluded)."""
@@ -77,7 +86,11 @@ class Fio:
             f"--numjobs={self.numjobs}", f"--size={self.size // self.numjobs >> 20}M",
             f"--rw={rw}", "--group_reporting", "--output-format=json",
         ]  # fmt: skip
-        proc = subprocess.run(args, capture_output=True, text=True, check=False)
+        env = dict(os.environ)
+        if self.huge_pages:
+            tunables = [env["GLIBC_TUNABLES"]] if env.get("GLIBC_TUNABLES") else []
+            env["GLIBC_TUNABLES"] = ":".join([*tunables, "glibc.malloc.hugetlb=1"])
+        proc = subprocess.run(args, capture_output=True, text=True, check=False, env=env)
         if proc.returncode != 0:
             sys.exit(f"fio failed ({' '.join(args)}):\n{proc.stderr}")
         report = json.loads(proc.stdout[proc.stdout.index("{") :])  # fio may print notes first
@@ -104,13 +117,14 @@ def _timed(nbytes: int, run: Callable[[], object]) -> tuple[float, float]:
 def fio_sweep(directory: str, size: int, repeats: int) -> tuple[list[Row], Fio, Fio]:
     """Every fio setting (best of ``repeats``); returns the rows and the best read/write setting."""
     rows, settings = [], []
-    for numjobs in FIO_NUMJOBS:
-        for iodepth in FIO_IODEPTHS:
-            fio = Fio(directory, size, numjobs, iodepth)
-            write = max(fio.run("write") for _ in range(repeats))
-            read = max(fio.run("read") for _ in range(repeats))
-            rows.append(Row(fio.name, read, write))
-            settings.append(fio)
+    for numjobs, iodepth, huge_pages in itertools.product(
+        FIO_NUMJOBS, FIO_IODEPTHS, FIO_HUGE_PAGES
+    ):
+        fio = Fio(directory, size, numjobs, iodepth, huge_pages)
+        write = max(fio.run("write") for _ in range(repeats))
+        read = max(fio.run("read") for _ in range(repeats))
+        rows.append(Row(fio.name, read, write))
+        settings.append(fio)
     best_read = settings[max(range(len(rows)), key=lambda i: rows[i].read)]
     best_write = settings[max(range(len(rows)), key=lambda i: rows[i].write)]
     return rows, best_read, best_write
@@ -121,6 +135,7 @@ def head_to_head(
 ) -> tuple[Row, Row, tuple[float, float]]:
     """Interleaved runs of fio's best settings and the handle; best of each, handle CPU use."""
     nbytes = buffer.numel()
+    handle.sync_pwrite(buffer, path)  # untimed: allocate and write the file, as fio's sweep did
     fio_w, fio_r, ours_w, ours_r = [], [], [], []
     for _ in range(repeats):
         fio_w.append(fio_write.run("write"))
@@ -184,6 +199,20 @@ def print_report(
         print(f"target {kind}: AioHandle >= {TARGET:.0%} of fio's best: {verdict} ({share:.1%})")
 
 
+def _huge_page_mib(tensor: torch.Tensor) -> int:
+    """MiB of the mapping holding ``tensor`` backed by transparent huge pages (/proc smaps)."""
+    address, inside = tensor.data_ptr(), False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1]) >> 10
+    return 0
+
+
 def _filesystem(path: str) -> str:
     """Type and mount point holding ``path`` (on tmpfs the numbers would mean nothing)."""
     best = ("?", "?")
@@ -231,6 +260,10 @@ def main() -> None:
         with AioHandle.from_config(config) as handle:
             buffer = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
             buffer.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))  # incompressible
+            print(f"AioHandle buffer: new_cpu_locked_tensor, {_huge_page_mib(buffer)} of "
+                  f"{size >> 20} MiB in huge pages; fio buffers: numjobs x iodepth x 1 MiB, "
+                  "'thp' rows in huge pages. Files: timed writes overwrite written blocks and "
+                  "reads read them, on both sides")  # fmt: skip
             fio, ours, cpu = head_to_head(handle, buffer, path, fio_read, fio_write, args.repeats)
         torch_row = None if args.skip_torch else measure_torch(buffer, path, args.repeats)
         print_report(sweep_rows, fio, ours, torch_row, cpu)

@@ -11,18 +11,30 @@ import torch
 from ds_offload_aio import ALIGNMENT, AioHandle, PinnedBufferPool
 
 
-def _locked_kib(address: int) -> int:
-    """VmLck-style check: the locked size of the mapping that holds ``address``."""
+def _mapping(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps entry of the mapping holding ``address``: field -> values.
+
+    The header line's fields are under ``"header"`` (range, permissions such as ``rw-p``, ...).
+    """
+    entry: dict[str, list[str]] = {}
     with open("/proc/self/smaps") as smaps:
         inside = False
         for line in smaps:
             fields = line.split()
             if "-" in fields[0] and len(fields) >= 5:
+                if inside:
+                    break
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 inside = start <= address < end
-            elif inside and fields[0] == "Locked:":
-                return int(fields[1])
-    return 0
+                entry = {"header": fields}
+            elif inside:
+                entry[fields[0].rstrip(":")] = fields[1:]
+    return entry if inside else {}
+
+
+def _locked_kib(address: int) -> int:
+    """VmLck-style check: the locked size of the mapping that holds ``address``."""
+    return int(_mapping(address).get("Locked", ["0"])[0])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, host memory is pinned by CUDA")
@@ -38,6 +50,25 @@ def test_locked_tensor_is_aligned_locked_and_unlocked_by_free() -> None:
         assert _locked_kib(tensor.data_ptr()) == 0
         assert handle.free_cpu_locked_tensor(tensor) is False  # not twice
         assert handle.free_cpu_locked_tensor(torch.empty(10)) is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, host memory is pinned by CUDA")
+def test_large_locked_tensor_asks_for_huge_pages() -> None:
+    # [Note: huge pages for locked buffers]: private, 2 MiB aligned, advised MADV_HUGEPAGE.
+    # Whether the kernel grants huge pages depends on the machine, so that is not asserted.
+    with AioHandle() as handle:
+        tensor = handle.new_cpu_locked_tensor(5 << 19, torch.empty(0, dtype=torch.float32))
+        assert tensor.data_ptr() % (2 << 20) == 0
+        mapping = _mapping(tensor.data_ptr())
+        assert mapping["header"][1].endswith("p")  # private: shmem ignores MADV_HUGEPAGE
+        assert "hg" in mapping["VmFlags"] and "lo" in mapping["VmFlags"]
+        assert tensor.numel() == 5 << 19 and tensor.dtype == torch.float32
+        tensor.fill_(7)
+        assert torch.equal(tensor, torch.full_like(tensor, 7))
+        assert handle.free_cpu_locked_tensor(tensor) is True
+        assert "lo" not in _mapping(tensor.data_ptr())["VmFlags"]
+        small = handle.new_cpu_locked_tensor(100, torch.empty(0, dtype=torch.uint8))
+        assert "hg" not in _mapping(small.data_ptr())["VmFlags"]  # under 2 MiB: no slack
 
 
 def test_pool_hands_out_aligned_buffers_and_blocks_when_empty() -> None:
