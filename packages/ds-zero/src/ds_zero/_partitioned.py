@@ -13,10 +13,10 @@ the optimizer and the user hold) while its storage changes:
   parameter's dtype and device, as in DeepSpeed: code that reads a partitioned weight sees
   ``numel() == 0`` instead of stale values.
 - :meth:`ParamPartitioner.gather` all-gathers the shards of several parameters in one collective
-  (their shards concatenated) into a fresh buffer and points each ``p.data`` at a fresh
-  contiguous tensor of its ``ds_shape``. Fresh storage per gather matters: autograd saves views of
-  weights (``in_proj_weight.chunk(3)``), and a later gather must not overwrite what an earlier
-  forward saved for its backward.
+  (their shards concatenated; a single parameter straight into its whole buffer, no copy) and
+  points each ``p.data`` at a contiguous tensor of its ``ds_shape`` in the parameter's *whole
+  buffer* (``s * world_size`` elements, padding included). See [Note: freeing gathered storage]
+  for when that buffer is reused.
 - Parameters of at most ``persistence_threshold`` elements are *persistent* (``ds_persist``):
   whole on every rank, never released (DeepSpeed's ``stage3_param_persistence_threshold``:
   gathering biases and norms costs more latency than memory). They still own a shard, which is
@@ -24,6 +24,20 @@ the optimizer and the user hold) while its storage changes:
 - Shards live on the compute device, in host memory (``offload_param.device == "cpu"``: copied to
   the compute device for each gather) or behind a :class:`ShardStore` (``"nvme"``), which the
   partitioner asks to ``fetch`` shards before reading or writing them and may ``evict`` after.
+
+[Note: freeing gathered storage]
+Autograd saves views of weights for backward (``F.linear`` saves ``weight.t()``,
+``nn.MultiheadAttention`` saves ``in_proj_weight.chunk(3)``), and a view keeps its storage
+alive: pointing ``p.data`` at an empty tensor alone would leave every weight of the forward whole
+until its backward, and ZeRO-3's working set would be the whole model. So the stage 3 hooks
+release with ``free_storage=True``, as FSDP2 reshards: the whole buffer's storage is resized to
+0 bytes (the memory returns to the allocator even while autograd holds views of it) and the
+buffer object is kept, so the next gather of the parameter (the module's pre-backward fetch)
+re-grows the *same* storage and writes the same values into it, which the saved views then read.
+The writes go through the buffer, a tensor of its own, so the parameter's version counter (which
+its saved views share) does not move. Any other release (``GatheredParameters``, exports, the
+``partition`` attribute) only drops the buffer, and the next gather allocates a fresh one, so a
+whole value handed out earlier stays valid for as long as its holder keeps it.
 """
 
 from __future__ import annotations
@@ -126,7 +140,7 @@ class GatherHandle:
         self.done = True
         if self._work is not None:
             self._work.wait()
-        if self._output is not None:
+        if self.params:
             _unpack(self.params, self._output, self._world)
         for p in self.params:
             p.ds_status = ZeroParamStatus.AVAILABLE
@@ -135,19 +149,27 @@ class GatherHandle:
             self._on_done(self)
 
 
-def _unpack(params: Sequence[torch.nn.Parameter], output: torch.Tensor, world: int) -> None:
-    """Give each parameter a fresh contiguous tensor of its gathered value."""
-    if len(params) == 1:
-        p = params[0]
-        p.data = output.narrow(0, 0, p.ds_numel).view(p.ds_shape)
-        return
-    columns = output.view(world, -1)
+def _unpack(params: Sequence[torch.nn.Parameter], output: torch.Tensor | None, world: int) -> None:
+    """Point each parameter's ``data`` at its whole value: in its whole buffer (filled from the
+    coalesced ``output`` here, or by the collective itself when ``output`` is None), else in a
+    fresh tensor (persistent parameters)."""
+    columns = output.view(world, -1) if output is not None else None
     offset = 0
     for p in params:
         s = p.ds_tensor.numel()
-        full = columns.narrow(1, offset, s).reshape(-1)  # copies: rows are strided
+        buffer: torch.Tensor | None = getattr(p, "_ds_buffer", None)
+        if columns is not None:
+            piece = columns.narrow(1, offset, s)
+            if buffer is not None:
+                buffer.view(world, s).copy_(piece)
+                full = buffer
+            else:
+                full = piece.reshape(-1)  # copies: rows are strided
+            offset += s
+        else:
+            assert buffer is not None
+            full = buffer
         p.data = full.narrow(0, 0, p.ds_numel).view(p.ds_shape)
-        offset += s
 
 
 class ParamPartitioner:
@@ -308,9 +330,19 @@ class ParamPartitioner:
         if self.shard_store is not None:
             self.shard_store.fetch(todo)
         device = self._device_of(todo[0])
+        for p in todo:
+            self._grow_buffer(p, device)
         shards = [p.ds_tensor.to(device, non_blocking=True) for p in todo]
         flat = shards[0] if len(shards) == 1 else torch.cat(shards)
-        if self.world_size == 1:
+        direct: torch.Tensor | None = getattr(todo[0], "_ds_buffer", None)
+        output: torch.Tensor | None
+        if len(todo) == 1 and direct is not None:  # straight into the whole buffer
+            output, work = None, None
+            if self.world_size == 1:
+                direct.copy_(flat)
+            else:
+                work = ds_comm.all_gather_into_tensor(direct, flat, group=self.group, async_op=True)
+        elif self.world_size == 1:
             output, work = flat.clone() if flat is todo[0].ds_tensor else flat, None
         else:
             output = torch.empty(flat.numel() * self.world_size, dtype=flat.dtype, device=device)
@@ -332,16 +364,38 @@ class ParamPartitioner:
             handle.wait()
         return handle
 
+    def _grow_buffer(self, p: torch.nn.Parameter, device: torch.device) -> None:
+        """Give a non-persistent ``p`` its whole buffer: the one kept by a storage-freeing
+        release, re-grown, else a new one (see [Note: freeing gathered storage])."""
+        if p.ds_persist:
+            return
+        buffer: torch.Tensor | None = getattr(p, "_ds_buffer", None)
+        if buffer is None or buffer.device != device:
+            p._ds_buffer = torch.empty(
+                p.ds_tensor.numel() * self.world_size, dtype=p.dtype, device=device
+            )
+            return
+        storage = buffer.untyped_storage()
+        if storage.nbytes() < buffer.nbytes:
+            storage.resize_(buffer.nbytes)
+
     def _done(self, handle: GatherHandle) -> None:
         for p in handle.params:
             if self._inflight.get(p.ds_id) is handle:
                 del self._inflight[p.ds_id]
 
-    def release(self, params: Iterable[torch.nn.Parameter]) -> None:
+    def release(self, params: Iterable[torch.nn.Parameter], *, free_storage: bool = False) -> None:
         """Free the whole value of non-persistent parameters (``p.data`` becomes empty).
 
         A parameter still being gathered is waited for first (its collective is in flight on
         every rank and must complete).
+
+        Args:
+            params: the parameters.
+            free_storage: also free the whole value's storage now, even where autograd keeps
+                views of it, and keep the buffer for the next gather to refill (the stage 3
+                hooks; see [Note: freeing gathered storage]). False: only drop the reference
+                (tensors handed out earlier stay valid).
         """
         for p in params:
             if p.ds_persist:
@@ -352,6 +406,11 @@ class ParamPartitioner:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.data.device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
                 self.gathered_numel -= p.ds_numel
+                buffer: torch.Tensor | None = getattr(p, "_ds_buffer", None)
+                if buffer is not None and free_storage:
+                    buffer.untyped_storage().resize_(0)
+                elif buffer is not None:
+                    p._ds_buffer = None
 
     def release_all(self) -> None:
         """Release every non-persistent parameter of this partitioner."""

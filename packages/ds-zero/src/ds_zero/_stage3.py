@@ -17,8 +17,10 @@ module whose forward is running fetched it (``p.ds_active_sub_modules``, DeepSpe
 child's forward does not take away what an enclosing module still reads.
 
 [Note: gathering for backward]
-Autograd saves the parameter objects themselves for backward, so releasing a parameter (``p.data``
-becomes empty) and gathering it again before its backward node runs is enough. Each module's
+Autograd saves the parameter objects (or views of them) for backward, so releasing a parameter
+(``p.data`` becomes empty and its whole storage is freed, see ``_partitioned.py``'s [Note:
+freeing gathered storage]) and gathering it again into the same storage before its backward
+node runs is enough. Each module's
 forward outputs pass through ``_PreBackward``, an identity whose backward gathers the module's
 fetch set: it runs when the outputs' gradients are ready, before any of the module's own
 backward nodes. A parameter is released again by the optimizer's gradient hook, which fires once
@@ -40,7 +42,7 @@ see the same events, so they issue the same collectives in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,37 +88,41 @@ class _PreBackward(torch.autograd.Function):
 
 
 def _map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
-    """Apply ``fn`` once to every tensor requiring grad inside ``obj`` (tuples, lists, dicts)."""
+    """Apply ``fn`` once to every tensor requiring grad inside ``obj`` (tuples, lists, dicts).
+
+    The walks are module-level functions, not nested closures: a closure that calls itself is a
+    reference cycle, and one holding the module's outputs would keep every activation alive
+    until the garbage collector runs, long after backward freed them.
+    """
     found: list[torch.Tensor] = []
-
-    def collect(o: Any) -> None:
-        if torch.is_tensor(o):
-            if o.requires_grad:
-                found.append(o)
-        elif isinstance(o, (tuple, list)):
-            for x in o:
-                collect(x)
-        elif isinstance(o, dict):
-            for x in o.values():
-                collect(x)
-
-    collect(obj)
+    _collect(obj, found)
     if not found:
         return obj
-    replaced = iter(fn(found))
+    return _rebuild(obj, iter(fn(found)))
 
-    def rebuild(o: Any) -> Any:
-        if torch.is_tensor(o):
-            return next(replaced) if o.requires_grad else o
-        if isinstance(o, tuple) and hasattr(o, "_fields"):  # named tuples
-            return type(o)(*(rebuild(x) for x in o))
-        if isinstance(o, (tuple, list)):
-            return type(o)(rebuild(x) for x in o)
-        if isinstance(o, dict):
-            return type(o)((k, rebuild(v)) for k, v in o.items())
-        return o
 
-    return rebuild(obj)
+def _collect(o: Any, found: list[torch.Tensor]) -> None:
+    if torch.is_tensor(o):
+        if o.requires_grad:
+            found.append(o)
+    elif isinstance(o, (tuple, list)):
+        for x in o:
+            _collect(x, found)
+    elif isinstance(o, dict):
+        for x in o.values():
+            _collect(x, found)
+
+
+def _rebuild(o: Any, replaced: Iterator[torch.Tensor]) -> Any:
+    if torch.is_tensor(o):
+        return next(replaced) if o.requires_grad else o
+    if isinstance(o, tuple) and hasattr(o, "_fields"):  # named tuples
+        return type(o)(*(_rebuild(x, replaced) for x in o))
+    if isinstance(o, (tuple, list)):
+        return type(o)(_rebuild(x, replaced) for x in o)
+    if isinstance(o, dict):
+        return type(o)((k, _rebuild(v, replaced)) for k, v in o.items())
+    return o
 
 
 class Stage3Hooks:
@@ -235,7 +241,8 @@ class Stage3Hooks:
                 if not p.ds_active_sub_modules
                 and p.ds_id not in keep
                 and p.ds_id not in self._prefetched
-            ]
+            ],
+            free_storage=True,
         )
         if not record:
             return output
@@ -280,7 +287,7 @@ class Stage3Hooks:
         self.stats.invalidations += 1
         self.trace = None
         self._keep = {}
-        self.partitioner.release(list(self._prefetched.values()))
+        self.partitioner.release(list(self._prefetched.values()), free_storage=True)
         self._prefetched.clear()
 
     def end_iteration(self) -> None:
@@ -299,7 +306,7 @@ class Stage3Hooks:
         params = [p for p in self.model.parameters() if hasattr(p, "ds_id")]
         for p in params:
             p.ds_active_sub_modules.clear()  # a forward that raised leaves its modules open
-        self.partitioner.release(params)
+        self.partitioner.release(params, free_storage=True)
 
     def _plan_reuse(self) -> None:
         """For each trace index, the parameters to keep after its forward (see [Note: trace and

@@ -6,9 +6,10 @@ optimizer stepping only that shard.
 Each optimizer param group's trainable parameters are laid out as fp32 *sub-groups*: whole
 parameters' shards (``p.ds_tensor``, ``s = ceil(numel / world)`` elements each, padding included)
 concatenated until ``sub_group_size`` elements are exceeded. The wrapped optimizer's param groups
-are re-pointed at those flat masters, next to an fp32 gradient shard of the same layout. For fp32
-parameters whose shards live where the masters do, ``p.ds_tensor`` becomes a view of the master
-(no second copy). During backward each parameter's gradient hook (``Parameter.
+are re-pointed at those flat masters, next to an fp32 gradient shard of the same layout
+(allocated at the first gradient after a step and freed by ``zero_grad``, as torch's
+``set_to_none``: no rank holds gradient memory between steps). For fp32 parameters whose shards
+live where the masters do, ``p.ds_tensor`` becomes a view of the master (no second copy). During backward each parameter's gradient hook (``Parameter.
 register_post_accumulate_grad_hook``, once per backward even for tied parameters) moves the
 gradient into a bucket of rows ``[rank r's shard of each parameter]``, frees ``p.grad`` and
 releases the parameter; a full bucket (``reduce_bucket_size`` elements) is reduce-scattered
@@ -37,7 +38,12 @@ import torch.distributed as dist
 import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._offload import accepts_fp16_param_groups, host_zeros
-from ds_zero._optimizer import _dp_rank_and_size, _trainable_groups, check_step_options
+from ds_zero._optimizer import (
+    _dp_rank_and_size,
+    _trainable_groups,
+    check_step_options,
+    step_in_slices,
+)
 from ds_zero._partitioned import ParamPartitioner, shard_bounds
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
@@ -208,7 +214,9 @@ class Stage3Optimizer(AccumulationWindow):
             )
         offload = self.config.offload_optimizer
         self.masters: list[torch.Tensor] = []
-        self.grad_shards: list[torch.Tensor] = []
+        # allocated at the first gradient after a step, freed by zero_grad (as torch's
+        # set_to_none): between steps a rank holds no gradient memory
+        self.grad_shards: list[torch.Tensor | None] = []
         self._slots: dict[int, _Slot] = {}
         store = self.partitioner.shard_store
         for param_group, params in zip(self.optimizer.param_groups, self.trainable):
@@ -225,10 +233,8 @@ class Stage3Optimizer(AccumulationWindow):
                 numel = sum(p.ds_tensor.numel() for p in sub)
                 if offload.enabled:
                     master = host_zeros(numel, torch.float32, pin_memory=offload.pin_memory)
-                    grad = host_zeros(numel, torch.float32, pin_memory=offload.pin_memory)
                 else:
                     master = torch.zeros(numel, dtype=torch.float32, device=sub[0].device)
-                    grad = torch.zeros_like(master)
                 offset = 0
                 for p in sub:
                     slot = _Slot(len(self.masters), offset, p.ds_tensor.numel())
@@ -244,9 +250,22 @@ class Stage3Optimizer(AccumulationWindow):
                     self._slots[id(p)] = slot
                     offset += slot.numel
                 self.masters.append(master)
-                self.grad_shards.append(grad)
+                self.grad_shards.append(None)
                 group_masters.append(master)
             param_group["params"] = group_masters
+
+    def _grad_shard(self, index: int) -> torch.Tensor:
+        """Sub-group ``index``'s fp32 gradient shard, allocated zeroed on first use."""
+        grad = self.grad_shards[index]
+        if grad is None:
+            master = self.masters[index]
+            if self.config.offload_optimizer.enabled:
+                pin = self.config.offload_optimizer.pin_memory
+                grad = host_zeros(master.numel(), torch.float32, pin_memory=pin)
+            else:
+                grad = torch.zeros_like(master)
+            self.grad_shards[index] = grad
+        return grad
 
     @property
     def prefetch_stats(self) -> PrefetchStats:
@@ -263,7 +282,7 @@ class Stage3Optimizer(AccumulationWindow):
         self._pending.append((p, grad))  # type: ignore[arg-type]
         self._pending_numel += p.ds_tensor.numel() * self.world_size
         self._reduced.add(id(p))
-        self.partitioner.release([p])  # type: ignore[list-item]
+        self.partitioner.release([p], free_storage=True)  # type: ignore[list-item]
         if self._pending_numel >= self.config.reduce_bucket_size:
             self._launch()
 
@@ -312,7 +331,7 @@ class Stage3Optimizer(AccumulationWindow):
             out.mul_(post)
         for p, offset in placed:
             slot = self._slots[id(p)]
-            target = self.grad_shards[slot.index].narrow(0, slot.offset, slot.numel)
+            target = self._grad_shard(slot.index).narrow(0, slot.offset, slot.numel)
             target.add_(out.narrow(0, offset, slot.numel).to(target.device, torch.float32))
 
     def _finish_reduction(self) -> None:
@@ -362,7 +381,7 @@ class Stage3Optimizer(AccumulationWindow):
         if not self._step_due():
             return False
         self._window = 0
-        grads = self.grad_shards
+        grads = [self._grad_shard(i) for i in range(len(self.masters))]
         norm_group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
         norm = float(global_grad_norm(grads, 2.0, group=norm_group))
         scale = self.loss_scale
@@ -387,7 +406,7 @@ class Stage3Optimizer(AccumulationWindow):
             self.optimizer.step(
                 fp16_param_groups=[[next(lows) for _ in g["params"]] for g in self.param_groups]
             )
-        else:
+        elif not step_in_slices(self.optimizer):  # [Note: stepping a flat master in slices]
             self.optimizer.step()
         for master in self.masters:
             master.grad = None
@@ -432,10 +451,10 @@ class Stage3Optimizer(AccumulationWindow):
                 store.evict([p])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient shards (``set_to_none`` is accepted for torch parity)."""
+        """Free the gradient shards: the next gradient starts from zero (``set_to_none`` is
+        accepted for torch parity)."""
         del set_to_none
-        for grad in self.grad_shards:
-            grad.zero_()
+        self.grad_shards = [None] * len(self.masters)
 
     def destroy(self) -> None:
         """Remove the module and gradient hooks (DeepSpeed's name); the parameters stay
@@ -564,12 +583,14 @@ class Stage3Optimizer(AccumulationWindow):
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds: ``params`` are the shards plus whole persistent parameters,
-        ``buffers`` the peak gathered working set plus the largest reduction bucket."""
+        ``grads`` the fp32 gradient shards from a backward to the step after it (freed
+        between steps), ``buffers`` the peak gathered working set plus the largest reduction
+        bucket."""
         params = self.partitioner.shard_nbytes()
         aliased = {
             self._slots[id(p)].index for p in self._slots_params() if self._slots[id(p)].aliased
         }
-        grads = sum(g.nbytes for g in self.grad_shards)
+        grads = sum(4 * m.numel() for m in self.masters)  # fp32, while gradients exist
         optimizer_state = host = 0
         for i, master in enumerate(self.masters):
             tensors = [] if i in aliased else [master]
