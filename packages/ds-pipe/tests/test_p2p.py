@@ -87,3 +87,41 @@ def test_non_tensor_output_names_the_stage() -> None:
     with pytest.raises(TypeError, match="the output is a str"):
         as_tensor_tuple("x", "stage 0")
     assert len(as_tensor_tuple([torch.zeros(1), torch.ones(1)], "")) == 2
+
+
+def _posting_body(rank: int, world_size: int) -> list[list[int]]:
+    """Two batches of 3 micro-batches over chunk 0 (rank 0) -> chunk 1 (rank 1). Returns, per
+    batch on rank 0, the gradient receives posted after ``start_batch`` and after each send."""
+    ch = PipeChannels(
+        torch.distributed.new_group(ranks=[0, 1]), lambda chunk: chunk, torch.device("cpu")
+    )
+    posted: list[list[int]] = []
+    for batch in range(2):
+        if rank == 0:
+            ch.start_batch("train", {("grad", 0): 3})
+            counts = [len(ch._posted.get(("grad", 0), ()))]
+            for mb in range(3):
+                ch.send_activation(
+                    torch.full((2, 3), float(mb), requires_grad=True), 0, "train", ""
+                )
+                counts.append(len(ch._posted.get(("grad", 0), ())))
+            for mb in range(3):
+                (grad,) = ch.recv_grads((torch.zeros(2, 3, requires_grad=True),), 0)
+                torch.testing.assert_close(grad, torch.full((2, 3), 10.0 * batch + mb))
+            posted.append(counts)
+        else:
+            ch.start_batch("train", {("act", 1): 3})
+            for mb in range(3):
+                x = ch.recv_activation(1, "train")
+                torch.testing.assert_close(x, torch.full((2, 3), float(mb)))
+                x.grad = torch.full((2, 3), 10.0 * batch + mb)
+                ch.send_grads((x,), 1)
+        ch.wait_sends()
+    return posted
+
+
+def test_gradient_receives_are_posted_by_the_first_send_not_before() -> None:
+    posted = run_on_ranks(_posting_body, 2)[0]
+    # nothing is posted ahead of the first forward, even in batch 1 whose metadata is known at
+    # start_batch; each send tops the channel up to two posted receives
+    assert posted == [[0, 2, 2, 2], [0, 2, 2, 2]]

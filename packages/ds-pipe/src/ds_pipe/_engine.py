@@ -11,10 +11,10 @@ with the gradient of the mean loss, scaled by the loss scale, as if the batch ra
 The batch ends with the loss exchange (every stage returns the same value): with data or model
 replicas, or tied weights, an all-reduce of the last stages' mean losses over all ranks,
 averaged over the replicas; otherwise the last stage sends its mean loss to the other stages,
-which posted the receive at the start of the batch (no collective latency at the end). Either way every rank
-waits there on the engine's own group before any collective of another group (tied weights,
-data parallelism), which is where a failed stage is noticed (see [Note: failing every stage] in
-``_p2p.py``). Then the tied-weight reduction and the
+which posted the receive with their first activation send (no collective latency at the end).
+Either way every rank waits there on the engine's own group before any collective of another
+group (tied weights, data parallelism), which is where a failed stage is noticed (see [Note:
+failing every stage] in ``_p2p.py``). Then the tied-weight reduction and the
 :class:`~ds_pipe._grad_step.GradientStep`.
 """
 
@@ -65,6 +65,15 @@ class _BatchState:
     mean_loss: torch.Tensor | None = None
     logits: list[Any] = field(default_factory=list)
     compute_loss: bool = True
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A schedule ready to run: ``(handler, instruction)`` pairs in order, and the receives
+    per channel ``(kind, chunk)`` that :meth:`PipeChannels.start_batch` posts ahead."""
+
+    calls: list[tuple[Any, PipeInstruction]]
+    expected: dict[tuple[str, int], int]
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -158,6 +167,10 @@ class PipelineEngine:
         self.last_step: StepResult | None = None
         self.data_iterator: Iterator[Any] | None = None
         self._state = _BatchState(mode="train")
+        self._plans: dict[
+            tuple[str, int], _Plan
+        ] = {}  # by mode and micro-batches, see [Note: the per-micro-batch path]
+        self._loss_recv_due = False
         self._dispatch = {
             LoadMicroBatch: self._exec_load,
             ForwardPass: self._exec_forward,
@@ -213,7 +226,7 @@ class PipelineEngine:
             self.set_dataiterator(data_iter)
         self.module.train()
         self._state = _BatchState(mode="train")
-        self._run(self._schedule())
+        self._run(self._plan("train"))
         self.global_steps += 1
         assert self._state.mean_loss is not None  # set by the schedule's ReduceTiedGrads
         return self._state.mean_loss
@@ -247,10 +260,7 @@ class PipelineEngine:
         self._state = _BatchState(mode="eval", compute_loss=compute_loss)
         try:
             with torch.no_grad():
-                sched = InferenceSchedule(
-                    self.micro_batches, self.num_stages, self.stage_id, self.num_virtual_stages
-                )
-                self._run(sched)
+                self._run(self._plan("eval"))
                 result = self._reduce_eval(reduce_output)
         finally:
             self.data_iterator = saved_iter
@@ -294,20 +304,39 @@ class PipelineEngine:
     def _last_chunk(self) -> int:
         return self.num_stages * self.num_virtual_stages - 1
 
-    def _run(self, schedule: PipeSchedule) -> None:
+    def _plan(self, mode: str) -> _Plan:
+        """The schedule of ``mode`` (``'train'`` or ``'eval'``) flattened into handler calls,
+        with the receives it makes per channel; built once (see [Note: the per-micro-batch
+        path])."""
+        key = (mode, self.micro_batches)  # a public attribute: a changed one gets its own plan
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        if mode == "train":
+            schedule = self._schedule()
+        else:
+            schedule = InferenceSchedule(
+                self.micro_batches, self.num_stages, self.stage_id, self.num_virtual_stages
+            )
+        calls = [(self._dispatch[type(cmd)], cmd) for cmd in schedule.instructions()]
         expected: dict[tuple[str, int], int] = {}
-        for cmd in schedule.instructions():
+        for _, cmd in calls:
             if isinstance(cmd, (RecvActivation, RecvGrad)):
                 key = ("act" if isinstance(cmd, RecvActivation) else "grad", cmd.chunk_id)
                 expected[key] = expected.get(key, 0) + 1
+        plan = self._plans[key] = _Plan(calls, expected)
+        return plan
+
+    def _run(self, plan: _Plan) -> None:
         cmd: PipeInstruction | None = None
         try:
-            self.channels.start_batch(self._state.mode, expected)
-            if self._state.mode == "train" and self._loss_by_p2p and not self._holds_last_chunk:
-                self.channels.post_loss_recv(self._rank_of_chunk(self._last_chunk))
-            for step in schedule:
-                for cmd in step:
-                    self._dispatch[type(cmd)](cmd)
+            self.channels.start_batch(self._state.mode, plan.expected)
+            # posted by the first activation send, not ahead of the first forward
+            self._loss_recv_due = (
+                self._state.mode == "train" and self._loss_by_p2p and not self._holds_last_chunk
+            )
+            for handler, cmd in plan.calls:
+                handler(cmd)
             self.channels.wait_sends()
         except BaseException as exc:
             self.channels.abort()
@@ -393,10 +422,15 @@ class PipelineEngine:
     def _exec_send_activation(self, cmd: SendActivation) -> None:
         state, key = self._state, (cmd.micro_batch_id, cmd.chunk_id)
         outputs = state.outputs[key] if state.mode == "train" else state.outputs.pop(key)
-        last_layer = self.module.parts[cmd.chunk_id + 1] - 1
-        where = f"{self._where(cmd)}, output of layer {last_layer}"
+
+        def where() -> str:  # only built for an error
+            return f"{self._where(cmd)}, output of layer {self.module.parts[cmd.chunk_id + 1] - 1}"
+
         mb = cmd.micro_batch_id if state.mode == "train" else None
         self.channels.send_activation(outputs, cmd.chunk_id, state.mode, where, mb)
+        if self._loss_recv_due:
+            self._loss_recv_due = False
+            self.channels.post_loss_recv(self._rank_of_chunk(self._last_chunk))
 
     def _exec_recv_activation(self, cmd: RecvActivation) -> None:
         key = (cmd.micro_batch_id, cmd.chunk_id)

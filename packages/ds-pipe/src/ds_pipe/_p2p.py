@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import datetime
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,7 +142,18 @@ def meta_of(tensor: torch.Tensor) -> TensorMeta:
 # ``_LOOKAHEAD`` at a time, so data flows as soon as the neighbour sends it. The engine says how
 # many receives each channel takes in the batch (:meth:`PipeChannels.start_batch`); gloo matches
 # receives of one (peer, tag) in posting order, so posting ahead keeps the order. Cost: up to
-# ``_LOOKAHEAD`` receive buffers per channel beyond what the schedule holds.
+# ``_LOOKAHEAD`` receive buffers per channel beyond what the schedule holds. A gradient channel
+# is first posted by the rank's first activation send on it (no gradient can come earlier), not
+# at the start of the batch: the first forward, which every later stage waits for, starts
+# without waiting for those posts.
+
+# [Note: the per-micro-batch path]
+# On a small stage the time between two layers' compute is mostly Python and process wake-ups,
+# and a host running several stages per core pays for every microsecond of it (the stages share
+# the cores). So what does not change between micro-batches is computed once: the engine runs a
+# schedule flattened into ``(handler, instruction)`` pairs, built at the first batch of each
+# mode; the channels cache each chunk's rank and each receive channel's source, tag and
+# metadata; the text naming a stage in errors is only built when an error is raised.
 
 
 class PipeChannels:
@@ -170,31 +181,51 @@ class PipeChannels:
         self._expected: dict[tuple[str, int], int] = {}
         self._posted: dict[tuple[str, int], deque[tuple[list[Any], list[torch.Tensor]]]] = {}
         self._loss: tuple[Any, torch.Tensor] | None = None
+        # Per-transfer work kept off the hot path (see [Note: the per-micro-batch path]): the
+        # rank of each chunk and what each receive channel gets, by (mode, kind, chunk).
+        self._ranks: dict[int, int] = {}
+        self._recv_plans: dict[tuple[str, str, int], tuple[int, int, list[TensorMeta]]] = {}
 
     def start_batch(self, mode: str, expected: Mapping[tuple[str, int], int]) -> None:
         """Begin a batch in ``mode`` that receives ``expected[(kind, chunk)]`` times on each
-        channel (``kind`` ``'act'`` or ``'grad'``); posts the first receives (see [Note:
-        receives posted ahead])."""
+        channel (``kind`` ``'act'`` or ``'grad'``); posts the first activation receives (see
+        [Note: receives posted ahead])."""
         self._mode = mode
         self._expected = dict(expected)
         self._posted = {}
         for key in self._expected:
-            self._post_ahead(key)
+            # A gradient cannot come before this rank sent the activation it belongs to: its
+            # receives are posted by the first send (not here, ahead of the first forward).
+            if key[0] == "act":
+                self._post_ahead(key)
+
+    def _rank(self, chunk: int) -> int:
+        """The global rank running virtual stage ``chunk`` (cached: asked on every transfer)."""
+        rank = self._ranks.get(chunk)
+        if rank is None:
+            rank = self._ranks[chunk] = self.rank_of_chunk(chunk)
+        return rank
 
     def _channel(self, key: tuple[str, int]) -> tuple[int, int, list[TensorMeta]] | None:
         """Source, tag and the metadata of what a receive on channel ``key`` gets (None: not
         negotiated yet)."""
+        plan = self._recv_plans.get((self._mode, *key))
+        if plan is not None:
+            return plan
         kind, chunk = key
         if kind == "act":
             cached = self._metas.get((self._mode, chunk - 1))
             if cached is None:
                 return None
-            return self.rank_of_chunk(chunk - 1), self._tag("act", chunk), cached[1]
-        cached = self._metas.get(("train", chunk))  # the gradients of what this chunk sent
-        if cached is None:
-            return None
-        metas = [m for m in cached[1] if m.requires_grad]
-        return self.rank_of_chunk(chunk + 1), self._tag("grad", chunk), metas
+            plan = (self._rank(chunk - 1), self._tag("act", chunk), cached[1])
+        else:
+            cached = self._metas.get(("train", chunk))  # the gradients of what this chunk sent
+            if cached is None:
+                return None
+            metas = [m for m in cached[1] if m.requires_grad]
+            plan = (self._rank(chunk + 1), self._tag("grad", chunk), metas)
+        self._recv_plans[(self._mode, *key)] = plan
+        return plan
 
     def _post_ahead(self, key: tuple[str, int]) -> None:
         posted = self._posted.setdefault(key, deque())
@@ -249,37 +280,52 @@ class PipeChannels:
     def forget(self, mode: str) -> None:
         """Drop the negotiated metadata of ``mode`` (every rank together): renegotiate."""
         self._metas = {k: v for k, v in self._metas.items() if k[0] != mode}
+        self._recv_plans.clear()
 
     def send_activation(
-        self, value: Any, chunk: int, mode: str, where: str, micro_batch: int | None = None
+        self,
+        value: Any,
+        chunk: int,
+        mode: str,
+        where: str | Callable[[], str],
+        micro_batch: int | None = None,
     ) -> None:
         """Send ``value`` (a tensor or a tuple of tensors), the output of virtual stage
-        ``chunk``, to ``chunk + 1`` (with a header the first time). With ``micro_batch`` the
-        sends can be dropped early by :meth:`release`."""
-        dst, tag, key = self.rank_of_chunk(chunk + 1), self._tag("act", chunk + 1), (mode, chunk)
-        outputs = as_tensor_tuple(value, where)
-        metas = (isinstance(value, (tuple, list)), [meta_of(t) for t in outputs])
+        ``chunk``, to ``chunk + 1`` (with a header the first time). ``where`` names the output
+        in errors (a callable is only called then). With ``micro_batch`` the sends can be
+        dropped early by :meth:`release`."""
+        dst, tag, key = self._rank(chunk + 1), self._tag("act", chunk + 1), (mode, chunk)
+        if torch.is_tensor(value):  # the common case, checked without building a tuple
+            outputs: tuple[torch.Tensor, ...] = (value,)
+        else:
+            outputs = as_tensor_tuple(value, where if isinstance(where, str) else where())
         cached = self._metas.get(key)
-        if cached is None:
+        if cached is not None and _matches(cached, value, outputs):
+            pass  # the usual case: negotiated, and the same shapes again
+        elif cached is None:
+            metas = (isinstance(value, (tuple, list)), [meta_of(t) for t in outputs])
             header = _encode(*metas)
             self._isend(torch.tensor([header.numel()], dtype=torch.int64), dst, tag)
             self._isend(header, dst, tag)
             self._metas[key] = metas
-        elif cached != metas:
+        else:
+            metas = (isinstance(value, (tuple, list)), [meta_of(t) for t in outputs])
             raise ValueError(
-                f"{where}: the output changed from {_describe(cached[1])} to "
-                f"{_describe(metas[1])} "
+                f"{where if isinstance(where, str) else where()}: the output changed from "
+                f"{_describe(cached[1])} to {_describe(metas[1])} "
                 "after the first micro-batch; pipeline activations must keep their shapes, dtypes "
                 "and requires_grad (pad inputs to a fixed shape)"
             )
         key = None if micro_batch is None else ("act", chunk, micro_batch)
         for t in outputs:
             self._isend(t, dst, tag, key)
+        if mode == "train":  # its gradient may come back from now on
+            self._post_ahead(("grad", chunk))
 
     def recv_activation(self, chunk: int, mode: str) -> Any:
         """Receive virtual stage ``chunk``'s input from ``chunk - 1``: fresh leaf tensors
         (``requires_grad`` as the sender's), a tuple when the sender's output was one."""
-        src, tag, key = self.rank_of_chunk(chunk - 1), self._tag("act", chunk), (mode, chunk - 1)
+        src, tag, key = self._rank(chunk - 1), self._tag("act", chunk), (mode, chunk - 1)
         self._mode = mode
         cached = self._metas.get(key)
         if cached is None:
@@ -296,7 +342,7 @@ class PipeChannels:
     def send_grads(self, inputs: Sequence[torch.Tensor], chunk: int) -> None:
         """Send the gradients of ``inputs`` (those that require grad; zeros where unused) of
         virtual stage ``chunk`` back to ``chunk - 1``."""
-        dst, tag = self.rank_of_chunk(chunk - 1), self._tag("grad", chunk - 1)
+        dst, tag = self._rank(chunk - 1), self._tag("grad", chunk - 1)
         for t in inputs:
             if t.requires_grad:
                 self._isend(t.grad if t.grad is not None else torch.zeros_like(t), dst, tag)
@@ -350,6 +396,19 @@ class PipeChannels:
             except RuntimeError as exc:
                 if "timed out" in str(exc).lower():
                     return  # gloo closed every connection of the group
+
+
+def _matches(cached: tuple[bool, list[TensorMeta]], value: Any, outputs: Sequence[Any]) -> bool:
+    """Whether ``outputs`` (``value`` as a tuple) have the negotiated metadata ``cached``."""
+    is_tuple, metas = cached
+    return (
+        is_tuple == isinstance(value, (tuple, list))
+        and len(metas) == len(outputs)
+        and all(
+            t.shape == m.shape and t.dtype == m.dtype and t.requires_grad == m.requires_grad
+            for t, m in zip(outputs, metas)
+        )
+    )
 
 
 def _describe(metas: Sequence[TensorMeta]) -> str:
