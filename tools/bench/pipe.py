@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--rows", type=int, default=16, help="rows per micro-batch")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--steps", type=int, default=2, help="timed batches per round")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="timed batches per round")
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args(argv)
     if args.blocks % args.stages:
         parser.error(f"--blocks {args.blocks} is not a multiple of --stages {args.stages}")

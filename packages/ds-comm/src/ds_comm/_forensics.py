@@ -465,9 +465,9 @@ def _detailed(fp: Fingerprint) -> str:
 
 def _check_fingerprints(rec: CallRecord) -> None:
     """``on_begin`` hook in debug mode: raise on every rank if the group disagrees on this call."""
-    fp = rec.fingerprint
-    if fp.op in P2P_OPS or len(fp.group) < 2:
+    if rec.op in P2P_OPS or len(rec.ranks) < 2:
         return
+    fp = rec.fingerprint
     group = rec.group
     device = torch.device("cpu")
     if "nccl" in str(dist.get_backend(group)):

@@ -4,6 +4,8 @@ Each public op in ``_collectives.py`` calls :func:`tracked` with a closure that 
 Here the call gets a per-group sequence number and a :class:`Fingerprint` (op, shapes, dtype, call
 site), is marked in flight (the hang watchdog reads this), and on completion is handed to the comms
 logger. For async ops completion is the ``wait()`` of the returned :class:`TrackedWork`.
+Point-to-point ops skip the closure: they call :func:`begin_one` and wrap the torch work in a
+:class:`TrackedWork` themselves (see [Note: cheap tracking]).
 
 See [Note: hang forensics] in ``_forensics.py`` for how fingerprints are used when a call hangs.
 """
@@ -17,9 +19,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ __all__ = [
     "Fingerprint",
     "TrackedWork",
     "annotate",
+    "begin_one",
     "group_ranks",
     "tracked",
 ]
@@ -47,9 +49,12 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-@dataclass(frozen=True)
-class Fingerprint:
-    """What a rank believes it is doing: compared across ranks to explain hangs and mismatches."""
+class Fingerprint(NamedTuple):
+    """What a rank believes it is doing: compared across ranks to explain hangs and mismatches.
+
+    A ``NamedTuple`` (immutable, hashable, picklable for ``all_gather_object``); built only when
+    someone reads :attr:`CallRecord.fingerprint`, see [Note: cheap tracking].
+    """
 
     op: str
     seq: int
@@ -68,7 +73,6 @@ class Fingerprint:
         return (self.op, self.seq, self.group, shapes, self.dtype)
 
 
-@dataclass
 class CallRecord:
     """One collective call in progress or done.
 
@@ -76,21 +80,86 @@ class CallRecord:
     issue their own raw ops on it. ``blocking`` is True while the issuing thread waits on the
     call (from the start for sync ops, from ``wait()`` for async ones): when several calls are in
     flight, the blocking one is where a hung rank is stuck.
+
+    [Note: cheap tracking]
+    Every ds-comm call, point-to-point ones included (a pipeline stage issues thousands per
+    second), makes one record, so building it must cost next to nothing: the record keeps the
+    raw facts the call already has (op, seq, the group's ranks, the tensors' ``torch.Size`` s,
+    which are tuples already, the ``torch.dtype``, the call site) in ``__slots__``, and the
+    :class:`Fingerprint` that hooks, the logger and hang reports read is assembled on first
+    access and cached. The facts are captured when the call starts, so a fingerprint built later
+    (e.g. by the watchdog of a hung call) says what was issued even if the caller has since
+    resized its tensors.
     """
 
-    fingerprint: Fingerprint
-    msg_bytes: int
-    algo: str
-    async_op: bool
-    group: Any = field(default=None, repr=False)
-    device: str = "cpu"
-    blocking: bool = False
-    start: float = field(default_factory=time.perf_counter)
-    end: float | None = None
+    __slots__ = (
+        "_dtype",
+        "_fp",
+        "_shapes",
+        "_site",
+        "algo",
+        "async_op",
+        "blocking",
+        "device",
+        "end",
+        "group",
+        "msg_bytes",
+        "op",
+        "ranks",
+        "seq",
+        "start",
+    )
+
+    def __init__(
+        self,
+        op: str,
+        seq: int,
+        ranks: tuple[int, ...],
+        shapes: tuple[tuple[int, ...], ...],
+        dtype: torch.dtype | None,
+        site: str,
+        msg_bytes: int,
+        algo: str,
+        async_op: bool,
+        group: Any = None,
+        device: str = "cpu",
+        blocking: bool = False,
+    ) -> None:
+        self.op = op
+        self.seq = seq
+        self.ranks = ranks
+        self._shapes = shapes
+        self._dtype = dtype
+        self._site = site
+        self._fp: Fingerprint | None = None
+        self.msg_bytes = msg_bytes
+        self.algo = algo
+        self.async_op = async_op
+        self.group = group
+        self.device = device
+        self.blocking = blocking
+        self.start = time.perf_counter()
+        self.end: float | None = None
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        fp = self._fp
+        if fp is None:
+            shapes = tuple(tuple(s) for s in self._shapes)
+            fp = self._fp = Fingerprint(
+                self.op, self.seq, self.ranks, shapes, _dtype_name(self._dtype), self._site
+            )
+        return fp
 
     @property
     def latency_s(self) -> float:
         return (self.end if self.end is not None else time.perf_counter()) - self.start
+
+    def __repr__(self) -> str:
+        return (
+            f"CallRecord({self.fingerprint!r}, msg_bytes={self.msg_bytes}, algo={self.algo!r}, "
+            f"async_op={self.async_op}, device={self.device!r}, blocking={self.blocking})"
+        )
 
 
 class _Tracker:
@@ -179,19 +248,18 @@ def _call_site() -> str:
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _describe_tensors(
-    tensors: Sequence[torch.Tensor],
-) -> tuple[tuple[tuple[int, ...], ...], str, str]:
-    shapes = tuple(tuple(t.shape) for t in tensors)
-    if not tensors:
-        return shapes, "-", "cpu"
-    first = tensors[0]
-    # str(dtype) and device.type cost ~0.8 us each; this runs on every collective.
-    dtype = _DTYPE_NAMES.get(first.dtype)
+def _dtype_name(dtype: torch.dtype | None) -> str:
     if dtype is None:
-        dtype = _DTYPE_NAMES[first.dtype] = str(first.dtype).removeprefix("torch.")
-    device = "cuda" if first.is_cuda else "cpu" if first.is_cpu else first.device.type
-    return shapes, dtype, device
+        return "-"
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # str(dtype) costs ~0.8 us
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device(t: torch.Tensor) -> str:
+    # device.type costs ~0.8 us; is_cuda / is_cpu are cheap.
+    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
 
 
 def begin(
@@ -208,25 +276,59 @@ def begin(
     A hook that raises (e.g. the debug-mode fingerprint check) aborts the call before the op is
     issued; the call is then reported through ``failed`` like an op error.
     """
+    shapes = tuple([t.shape for t in tensors])
+    if tensors:
+        first = tensors[0]
+        return _begin(
+            op, group, shapes, first.dtype, _device(first), _call_site(), msg_bytes, algo, async_op
+        )
+    return _begin(op, group, shapes, None, "cpu", _call_site(), msg_bytes, algo, async_op)
+
+
+def begin_one(
+    op: str, group: Any | None, tensor: torch.Tensor, algo: str, async_op: bool
+) -> CallRecord:
+    """:func:`begin` for a call on the single ``tensor`` (the point-to-point fast path)."""
+    return _begin(
+        op, group, (tensor.shape,), tensor.dtype, _device(tensor), _call_site(),
+        tensor.nbytes, algo, async_op,
+    )  # fmt: skip
+
+
+def _begin(
+    op: str,
+    group: Any | None,
+    shapes: tuple[tuple[int, ...], ...],
+    dtype: torch.dtype | None,
+    device: str,
+    site: str,
+    msg_bytes: int,
+    algo: str,
+    async_op: bool,
+) -> CallRecord:
     ranks = group_ranks(group)
-    shapes, dtype, device = _describe_tensors(tensors)
-    site = _call_site()
     # Point-to-point calls involve two members only: counting them with the group's collectives
     # would put the other members' sequence numbers out of step.
     key = ranks if op not in P2P_OPS else (*ranks, "p2p")
-    with TRACKER.lock:
-        seq = TRACKER.seq.get(key, 0) + 1
-        TRACKER.seq[key] = seq
-        fp = Fingerprint(op, seq, ranks, shapes, dtype, site)
-        rec = CallRecord(fp, msg_bytes, algo, async_op, group, device, not async_op)
-        TRACKER.in_flight[id(rec)] = rec
-        TRACKER.last = rec
-    try:
-        for hook in TRACKER.on_begin:
-            hook(rec)
-    except BaseException as exc:
-        failed(rec, exc)
-        raise
+    tracker = TRACKER
+    # The lock keeps each group's numbering gapless and in issue order when helper threads
+    # (ring algorithms, the watchdog's reads) run alongside the main thread.
+    with tracker.lock:
+        seq = tracker.seq.get(key, 0) + 1
+        tracker.seq[key] = seq
+        rec = CallRecord(
+            op, seq, ranks, shapes, dtype, site, msg_bytes, algo, async_op, group, device,
+            not async_op,
+        )  # fmt: skip
+        tracker.in_flight[id(rec)] = rec
+        tracker.last = rec
+    if tracker.on_begin:
+        try:
+            for hook in tracker.on_begin:
+                hook(rec)
+        except BaseException as exc:
+            failed(rec, exc)
+            raise
     return rec
 
 
@@ -264,6 +366,8 @@ class TrackedWork:
     process at exit ("terminate called without an active exception").
     """
 
+    __slots__ = ("_done", "_finish", "_rec", "_work")
+
     def __init__(
         self, work: Any, rec: CallRecord, finish: Callable[[], None] | None = None
     ) -> None:
@@ -275,18 +379,20 @@ class TrackedWork:
     def wait(self, timeout: Any = None) -> bool:
         if self._done:
             return True
-        self._rec.blocking = True
+        rec = self._rec
+        rec.blocking = True
+        work = self._work
         try:
-            if self._work is not None:
-                self._work.wait() if timeout is None else self._work.wait(timeout)
+            if work is not None:
+                work.wait() if timeout is None else work.wait(timeout)
             if self._finish is not None:
                 self._finish()
         except BaseException as exc:
-            failed(self._rec, exc)
+            failed(rec, exc)
             raise
         self._done = True
         self._work = self._finish = None  # see [Note: waited work objects]
-        end(self._rec)
+        end(rec)
         return True
 
     def is_completed(self) -> bool:

@@ -13,20 +13,31 @@ import torch
 import torch.distributed as dist
 
 from ds_comm import _algorithms as alg
-from ds_comm._instrument import TrackedWork, tracked
+from ds_comm._instrument import TrackedWork, begin_one, end, failed, tracked
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
-def _p2p(op: str, tensor: torch.Tensor, group: Any, async_op: bool, run: Callable[[], Any]) -> Any:
-    return tracked(
-        op, group, [tensor], msg_bytes=tensor.nbytes, algo="native", async_op=async_op, run=run
-    )
+def _p2p(
+    op: str, issue: Callable[..., Any], tensor: torch.Tensor, peer: int | None, group: Any, tag: int
+) -> TrackedWork:
+    """Issue one tracked transfer: ``issue(wire, peer, group, tag)`` is ``dist.isend``/``irecv``.
+
+    The tracked path inlined (no closure per call; see [Note: cheap tracking] in
+    ``_instrument.py``): a pipeline stage makes thousands of these calls a second.
+    """
+    rec = begin_one(op, group, tensor, "native", op[0] == "i")
+    try:
+        work = issue(alg.wire(tensor), peer, group, tag)
+    except BaseException as exc:
+        failed(rec, exc)
+        raise
+    return TrackedWork(work, rec)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send contiguous ``tensor`` to global rank ``dst`` (blocks until it is handed over)."""
-    _p2p("send", tensor, group, False, lambda: dist.isend(alg.wire(tensor), dst, group, tag))
+    _p2p("send", dist.isend, tensor, dst, group, tag).wait()
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
@@ -35,27 +46,26 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: i
     Returns:
         The global rank the data came from.
     """
-    sender: list[int] = []
-    _p2p(
-        "recv",
-        tensor,
-        group,
-        False,
-        lambda: sender.append(dist.recv(alg.wire(tensor), src, group, tag)),
-    )
-    return sender[0]
+    rec = begin_one("recv", group, tensor, "native", False)
+    try:
+        sender = dist.recv(alg.wire(tensor), src, group, tag)
+    except BaseException as exc:
+        failed(rec, exc)
+        raise
+    end(rec)
+    return sender
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> TrackedWork:
     """Start sending ``tensor`` to global rank ``dst``; ``wait()`` the handle before reusing it."""
-    return _p2p("isend", tensor, group, True, lambda: dist.isend(alg.wire(tensor), dst, group, tag))
+    return _p2p("isend", dist.isend, tensor, dst, group, tag)
 
 
 def irecv(
     tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
 ) -> TrackedWork:
     """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` before reading it."""
-    return _p2p("irecv", tensor, group, True, lambda: dist.irecv(alg.wire(tensor), src, group, tag))
+    return _p2p("irecv", dist.irecv, tensor, src, group, tag)
 
 
 class P2POp:
