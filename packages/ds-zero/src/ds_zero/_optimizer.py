@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+import torch.optim.optimizer as torch_optimizer_module
 
 import ds_comm
 import ds_optim
@@ -693,8 +693,9 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     return bool(
         getattr(optimizer, "_optimizer_step_pre_hooks", None)
         or getattr(optimizer, "_optimizer_step_post_hooks", None)
-        or _global_optimizer_pre_hooks
-        or _global_optimizer_post_hooks
+        # torch's process-wide hooks (private names: read defensively, absent means none)
+        or getattr(torch_optimizer_module, "_global_optimizer_pre_hooks", None)
+        or getattr(torch_optimizer_module, "_global_optimizer_post_hooks", None)
     )
 
 
