@@ -114,6 +114,12 @@ def test_offload_param_off_is_accepted() -> None:
         assert ZeroConfig.from_dict({"stage": 1, "offload_param": value}).stage == 1
 
 
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_offload_section_that_is_not_a_mapping_names_the_key(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key} = 'cpu'.*mapping"):
+        ZeroConfig.from_dict({"stage": 3, key: "cpu"})
+
+
 def test_deprecated_keys_name_their_replacement() -> None:
     with pytest.raises(ConfigError, match=r"cpu_offload is deprecated.*offload_optimizer"):
         ZeroConfig.from_dict({"stage": 2, "cpu_offload": True})

@@ -26,7 +26,7 @@ def _p2p(
     The tracked path inlined (no closure per call; see [Note: cheap tracking] in
     ``_instrument.py``): a pipeline stage makes thousands of these calls a second.
     """
-    rec = begin_one(op, group, tensor, "native", op[0] == "i")
+    rec = begin_one(op, group, tensor, "native", op != "send")  # send waits at once
     try:
         work = issue(alg.wire(tensor), peer, group, tag)
     except BaseException as exc:

@@ -303,35 +303,31 @@ class ZeroConfig:
         for f in fields(self):
             if f.type in ("bool", "bool | None"):
                 _bool(f"{_SECTION}.{f.name}", getattr(self, f.name))
-        offload = self.offload_optimizer
-        if offload is None or isinstance(offload, Mapping):
-            offload = OffloadOptimizerConfig.from_dict(offload)
-            object.__setattr__(self, "offload_optimizer", offload)
-        if not isinstance(offload, OffloadOptimizerConfig):
-            raise ConfigError(
-                f"{_SECTION}.offload_optimizer = {offload!r}: expected a mapping such as "
-                '{"device": "cpu"}'
-            )
+        offload = self._offload_section("offload_optimizer", OffloadOptimizerConfig)
         if offload.enabled and stage == 0:
             raise ConfigError(
                 f'{_SECTION}.offload_optimizer.device = "{offload.device}" needs stage 1 or 2 '
                 "(or 3): ZeRO-Offload steps each rank's optimizer partition; set stage to 1 or 2"
             )
-        param_offload = self.offload_param
-        if param_offload is None or isinstance(param_offload, Mapping):
-            param_offload = OffloadParamConfig.from_dict(param_offload)
-            object.__setattr__(self, "offload_param", param_offload)
-        if not isinstance(param_offload, OffloadParamConfig):
-            raise ConfigError(
-                f"{_SECTION}.offload_param = {param_offload!r}: expected a mapping such as "
-                '{"device": "cpu"}'
-            )
+        param_offload = self._offload_section("offload_param", OffloadParamConfig)
         if param_offload.enabled and stage != 3:
             raise ConfigError(
                 f'{_SECTION}.offload_param.device = "{param_offload.device}" is a ZeRO stage 3 '
                 "feature (only stage 3 partitions parameters); set stage to 3 or remove "
                 "offload_param"
             )
+
+    def _offload_section(self, key: str, kind: type[_OffloadTarget]) -> Any:
+        """Coerce the ``key`` section (None or a mapping) to ``kind`` in place, or say why not."""
+        section = getattr(self, key)
+        if section is None or isinstance(section, Mapping):
+            section = kind.from_dict(section)
+            object.__setattr__(self, key, section)
+        if not isinstance(section, kind):
+            raise ConfigError(
+                f'{_SECTION}.{key} = {section!r}: expected a mapping such as {{"device": "cpu"}}'
+            )
+        return section
 
     @property
     def shard_optimizer_state(self) -> bool:
