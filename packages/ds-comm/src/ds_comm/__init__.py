@@ -7,6 +7,7 @@ logging built in.
 
 from __future__ import annotations
 
+from ds_comm import _exit  # noqa: F401  (registers the exit hook)
 from ds_comm._bucketing import Bucket, flatten_into_buckets, unflatten_bucket
 from ds_comm._collectives import (
     all_gather,

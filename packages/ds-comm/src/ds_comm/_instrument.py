@@ -171,6 +171,8 @@ class _Tracker:
         self.seq: dict[tuple[Any, ...], int] = {}
         self.in_flight: dict[int, CallRecord] = {}
         self.last: CallRecord | None = None
+        # perf_counter() when the latest call completed; the exit hook reads it (_exit.py).
+        self.last_end = float("-inf")
         self.ranks_cache: dict[int, tuple[int, ...]] = {}
         # Hooks set by the logger / forensics modules; kept as plain attributes so the
         # disabled case costs one attribute read per call.
@@ -334,7 +336,7 @@ def _begin(
 
 def end(rec: CallRecord) -> None:
     """Register the completion of a collective."""
-    rec.end = time.perf_counter()
+    rec.end = TRACKER.last_end = time.perf_counter()
     with TRACKER.lock:
         TRACKER.in_flight.pop(id(rec), None)
     for hook in TRACKER.on_end:
@@ -363,7 +365,9 @@ class TrackedWork:
     Once waited, a handle drops the backend's work object. Callers keep handles longer than the
     process group (an optimizer's list of reductions, destroyed with the optimizer after
     ``destroy_process_group()``), and a gloo work object destroyed after its group aborts the
-    process at exit ("terminate called without an active exception").
+    process at exit ("terminate called without an active exception"). The same abort has a
+    second cause, a gloo worker thread still holding a finished op's tensors when the
+    interpreter finalizes; see [Note: gloo workers at interpreter exit] in _exit.py.
     """
 
     __slots__ = ("_done", "_finish", "_rec", "_work")

@@ -1,0 +1,46 @@
+"""At interpreter exit, lets torch's gloo worker threads finish with the GIL before finalization.
+
+[Note: gloo workers at interpreter exit]
+A gloo collective runs on one of its process group's C++ worker threads, which keeps the op's
+tensors until it ends its loop iteration, a little after ``wait()`` has returned. If Python drops
+its last reference to such a tensor first (a temporary: ``all_reduce(torch.ones(n))``), torch
+keeps the tensor's Python object alive for the C++ reference (PyObject preservation), so the
+worker's release of the tensor needs the GIL. While the main thread runs Python the worker waits
+for the GIL; if the main thread reaches interpreter finalization meanwhile, the worker's request
+ends its thread (``pthread_exit``) inside a C++ destructor and the process aborts: "terminate
+called without an active exception", SIGABRT, after a run that did all of its work. With plain
+torch on the development machine, two gloo ranks ending with a waited ``all_reduce`` of a
+temporary aborted at exit in 4 of 6 runs; through ds-comm, 3 of 6 (upstream: pytorch/pytorch
+issue 190489; torch's own exit hook, PR 179291, was abandoned). ``destroy_process_group()`` does
+not cover it: the group object, and its worker threads, live on while anything (an optimizer, a
+model wrapper) still references it.
+
+So ds-comm registers an exit hook: when a collective ended, or one still in flight began, less
+than ``EXIT_GRACE_S`` ago, it sleeps out the rest of that time. The sleep releases the GIL, the
+waiting worker takes it, releases the tensor and goes idle, and finalization finds no worker
+waiting. An exit long after the last collective pays nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+
+from ds_comm._instrument import TRACKER
+
+EXIT_GRACE_S = 0.05
+
+
+def settle_workers(grace_s: float = EXIT_GRACE_S) -> float:
+    """Sleeps until ``grace_s`` after the latest collective activity; returns the seconds slept."""
+    with TRACKER.lock:
+        starts = [rec.start for rec in TRACKER.in_flight.values()]
+    latest = max([TRACKER.last_end, *starts])
+    remaining = latest + grace_s - time.perf_counter()
+    if remaining <= 0:
+        return 0.0
+    time.sleep(remaining)
+    return remaining
+
+
+atexit.register(settle_workers)
