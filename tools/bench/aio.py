@@ -38,9 +38,9 @@ fio's own figure for a group of jobs (``bw_bytes`` with ``--group_reporting``) d
 jobs' bytes by the longest single job's runtime, and each job's clock starts when that job
 starts. fio's jobs start up to tens of milliseconds apart (each process sets up its own buffers
 and files), so with numjobs > 1 the jobs overlap only in part and the figure overstates what the
-disk did: on the development VM, runs that took 135 ms from the first request to the last
-completion were reported at up to 2x their true rate (8.01 GB/s on a disk that moves 4), and the
-best of a sweep picks exactly those runs. So every fio run here also writes its latency log with
+disk did: on the development VM a 512 MiB write that took 138 ms from the first request to the
+last completion (3.88 GB/s) was reported at 6.03 GB/s, a sweep's row at 8.01 on a disk that moves
+about 4, and the best of a sweep picks exactly those runs. So every fio run here also writes its latency log with
 Unix timestamps (``--write_lat_log --log_unix_epoch=1``: each request's completion time and
 latency) and its rate is its bytes over the span from the first request's submission to the last
 completion, in any job: the wall clock, as AioHandle's rate is (which also counts opening the
