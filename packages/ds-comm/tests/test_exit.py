@@ -17,11 +17,10 @@ from ds_comm._instrument import TRACKER, CallRecord
 
 @pytest.fixture
 def clean_tracker():
-    saved = TRACKER.last_end
+    saved = TRACKER.last_end, TRACKER.last
+    TRACKER.last = None  # no call begun, unless a test says so
     yield
-    TRACKER.last_end = saved
-    with TRACKER.lock:
-        TRACKER.in_flight.clear()
+    TRACKER.last_end, TRACKER.last = saved
 
 
 def test_sleeps_out_the_grace_after_a_recent_collective(clean_tracker) -> None:
@@ -40,11 +39,10 @@ def test_costs_nothing_long_after_the_last_collective(clean_tracker) -> None:
     assert time.perf_counter() - start < 0.05
 
 
-def test_a_call_still_in_flight_counts_from_its_start(clean_tracker) -> None:
+def test_a_call_never_waited_counts_from_its_start(clean_tracker) -> None:
     TRACKER.last_end = float("-inf")  # nothing has completed
     rec = CallRecord("all_reduce", 1, (0,), ((4,),), None, "site.py:1", 16, "native", True)
-    with TRACKER.lock:
-        TRACKER.in_flight[id(rec)] = rec
+    TRACKER.last = rec  # begun (its start is now), never waited
     assert 0.1 < _exit.settle_workers(0.2) <= 0.2
     rec.start -= 5.0
     assert _exit.settle_workers(0.2) == 0.0

@@ -15,8 +15,8 @@ issue 190489; torch's own exit hook, PR 179291, was abandoned). ``destroy_proces
 not cover it: the group object, and its worker threads, live on while anything (an optimizer, a
 model wrapper) still references it.
 
-So ds-comm registers an exit hook: when a collective ended, or one still in flight began, less
-than ``EXIT_GRACE_S`` ago, it sleeps out the rest of that time. The sleep releases the GIL, the
+So ds-comm registers an exit hook: when a collective began or ended less than ``EXIT_GRACE_S``
+ago (a call never waited has begun only), it sleeps out the rest of that time. The sleep releases the GIL, the
 waiting worker takes it, releases the tensor and goes idle, and finalization finds no worker
 waiting. An exit long after the last collective pays nothing.
 """
@@ -33,9 +33,8 @@ EXIT_GRACE_S = 0.05
 
 def settle_workers(grace_s: float = EXIT_GRACE_S) -> float:
     """Sleeps until ``grace_s`` after the latest collective activity; returns the seconds slept."""
-    with TRACKER.lock:
-        starts = [rec.start for rec in TRACKER.in_flight.values()]
-    latest = max([TRACKER.last_end, *starts])
+    last = TRACKER.last  # the latest call to begin: no call in flight began after it
+    latest = max(TRACKER.last_end, last.start if last is not None else float("-inf"))
     remaining = latest + grace_s - time.perf_counter()
     if remaining <= 0:
         return 0.0
