@@ -577,9 +577,9 @@ class ZeroOptimizer(AccumulationWindow):
 # (``_SLICEABLE``, exact types: a subclass may add a per-tensor rule), never their fused
 # kernels (one pass, no temporaries), nor the first step (it creates the state, flat), nor an
 # optimizer with step hooks (a hook means "once per step"; it would run once per slice).
-# 2**17 to 2**18 elements (0.5-1 MiB of
-# fp32: in a core's L2 cache with their state) measured fastest: AdamW over 100M elements took
-# ~0.35 s against ~0.6 s whole (2**16: 0.40 s, 2**20: 0.47 s), FusedAdam 0.31 s against 0.44 s.
+# 2**17 to 2**18 elements (0.5-1 MiB of fp32: in a core's L2 cache with their state) measured
+# fastest: AdamW over 100M elements took ~0.35 s against ~0.6 s whole (2**16: 0.40 s, 2**20:
+# 0.47 s), FusedAdam 0.31 s against 0.44 s.
 
 STEP_SLICE_NUMEL = 1 << 18
 
