@@ -216,14 +216,15 @@ def head_to_head(
     """Interleaved runs of fio's best settings, the handle and fio with spread buffers."""
     nbytes = buffer.numel()
     handle.sync_pwrite(buffer, path)  # untimed: allocate and write the file, as fio's sweep did
+    spread_write, spread_read = spread_buffers(fio_write), spread_buffers(fio_read)
     fio_w, fio_r, ours_w, ours_r, spread_w, spread_r = [], [], [], [], [], []
     for _ in range(repeats):
         fio_w.append(fio_write.run("write").wall)
         ours_w.append(_timed(nbytes, lambda: handle.sync_pwrite(buffer, path)))
-        spread_w.append(spread_buffers(fio_write).run("write").wall)
+        spread_w.append(spread_write.run("write").wall)
         fio_r.append(fio_read.run("read").wall)
         ours_r.append(_timed(nbytes, lambda: handle.sync_pread(buffer, path)))
-        spread_r.append(spread_buffers(fio_read).run("read").wall)
+        spread_r.append(spread_read.run("read").wall)
     fio = Row(f"fio best (read: {fio_read.name[4:]}; write: {fio_write.name[4:]})",
               max(fio_r), max(fio_w))  # fmt: skip
     spread = Row("fio best settings, buffers spanning the size", max(spread_r), max(spread_w))
