@@ -31,6 +31,7 @@ from ds_zero._memory import (
     model_states_table,
 )
 from ds_zero._optimizer import ZeroOptimizer
+from ds_zero._param_access import ParamViews, param_views
 from ds_zero._param_offload import NvmeShardStore
 from ds_zero._partitioned import GatherHandle, ParamPartitioner, ShardStore, ZeroParamStatus
 from ds_zero._safetensors import export_safetensors
@@ -70,6 +71,9 @@ __all__ = [
     "register_external_parameter",
     "unregister_external_parameter",
     "NvmeShardStore",
+    # parameter access (DeepSpeed's safe_get_full_fp32_param and siblings)
+    "ParamViews",
+    "param_views",
     # checkpoints
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",

@@ -43,6 +43,7 @@ from ds_zero._checkpoint import FORMAT, resolve_states
 from ds_zero._gather import gather_partition
 from ds_zero._layout import FlatGroup, build_layout
 from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
+from ds_zero._param_access import register_param_owner
 from ds_zero._reduce import GradReducer, ReduceContext
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._window import AccumulationWindow
@@ -221,6 +222,7 @@ class ZeroOptimizer(AccumulationWindow):
         self.skipped_steps = 0
         self._boundary: bool | None = None
         self._grad_norm: float | None = None
+        register_param_owner(self, (p for g in self.groups for p in g.params))
 
     # --- construction ----------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from ds_zero._optimizer import (
     check_step_options,
     step_in_slices,
 )
+from ds_zero._param_access import register_param_owner
 from ds_zero._partitioned import ParamPartitioner, shard_bounds
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
@@ -170,6 +171,7 @@ class Stage3Optimizer(AccumulationWindow):
         self.skipped_steps = 0
         self._boundary: bool | None = None
         self._grad_norm: float | None = None
+        register_param_owner(self, self._slots_params())
 
     # --- construction ----------------------------------------------------------------------------
 
