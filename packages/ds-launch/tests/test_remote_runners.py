@@ -35,6 +35,7 @@ def test_two_node_job_all_reduces_with_exported_environment(
 ):
     flags, extra_env = _runner_flags(launcher_name, sshd, hostfile)
     (tmp_path / ".deepspeed_env").write_text("# for every rank\nDSTEST_FROM_FILE = yes\n")
+    (tmp_path / "activate").write_text("export DSTEST_VENV=sourced\n")  # --venv_script
     env = launcher.env(
         **extra_env,
         NCCL_DSTEST="nccl",
@@ -48,6 +49,7 @@ def test_two_node_job_all_reduces_with_exported_environment(
     result = launcher.run(
         *flags,
         f"--master_port={port}",
+        "--venv_script=activate",
         *launcher.program("allreduce", out_dir),
         cwd=tmp_path,
         env=env,
@@ -74,6 +76,7 @@ def test_two_node_job_all_reduces_with_exported_environment(
             "UCX_DSTEST": "ucx",
             "PYTHON_DSTEST": "py",
             "DSTEST_FROM_FILE": "yes",
+            "DSTEST_VENV": "sourced",
         }
         assert res["cwd"] == str(tmp_path)
         assert res["local_rank_args"] == ["--local_rank=0"]

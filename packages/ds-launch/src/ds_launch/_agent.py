@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 from ds_launch._devices import parse_core_list, rank_core_shares, usable_cores
+from ds_launch._log import Console
 from ds_launch._nodespec import NodeSpec
 from ds_launch._supervise import ChildSpec, report_failure, supervise
 from ds_launch.api import LaunchError
@@ -88,12 +90,22 @@ def run_node(spec: NodeSpec) -> int:
     Raises:
         LaunchError: the ranks cannot be started (bad core list, log directory, pid file...).
     """
+    console = Console(spec.log_level)
     children = rank_children(spec)
+    first = spec.first_rank
+    console.info(
+        f"node {spec.node_rank} ({spec.host}) of {len(spec.resources)}: starting rank(s) "
+        f"{first}..{first + len(children) - 1} of {spec.world_size} on slot(s) "
+        f"{','.join(map(str, spec.slots))}"
+    )
+    for local_rank, child in enumerate(children):
+        variables = " ".join(f"{k}={v}" for k, v in spec.rank_env(local_rank).items())
+        console.debug(f"{child.name}: {variables} {shlex.join(child.argv)}")
     pid_file = _write_pid_file(spec.save_pid)
     try:
-        outcome = supervise(children, kill_grace=spec.kill_grace, noun="rank")
+        outcome = supervise(children, kill_grace=spec.kill_grace, noun="rank", console=console)
     finally:
         if pid_file is not None:
             os.unlink(pid_file)
-    report_failure(outcome, with_tail=True)
+    report_failure(outcome, with_tail=True, console=console)
     return outcome.exit_code

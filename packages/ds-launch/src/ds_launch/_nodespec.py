@@ -14,9 +14,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ds_launch.api import DEFAULT_KILL_GRACE_S, LaunchError
+from ds_launch.api import (
+    DEFAULT_KILL_GRACE_S,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_MASTER_PORT,
+    LOG_LEVELS,
+    LaunchError,
+)
 
 AGENT_MODULE = "ds_launch.node"
+# ``sh -c SOURCE_AND_EXEC SCRIPT PROGRAM...``: "$0" is the script, "$@" the rank's program.
+SOURCE_AND_EXEC = '. "$0" && exec "$@"'
+
+
+def sourced(script: str) -> str:
+    """``script`` as ``.`` needs it: a bare name would be searched on ``PATH``, not here."""
+    return script if "/" in script else f"./{script}"
 
 
 def encode_world_info(resources: Mapping[str, Sequence[int]]) -> str:
@@ -60,6 +73,8 @@ class NodeSpec:
         bind_core_list: the cores to share out.
         gpus: slots are GPU ids (``CUDA_VISIBLE_DEVICES`` is set); False for CPU ranks.
         kill_grace: seconds between SIGTERM and SIGKILL.
+        venv_script: a shell script each rank sources first (None: none).
+        log_level: the agent's messages to print (``debug`` ... ``critical``).
         env: variables added to every rank's environment (only for the in-process agent;
             remote agents receive them through their command's ``env`` prefix).
     """
@@ -79,6 +94,8 @@ class NodeSpec:
     bind_core_list: str | None = None
     gpus: bool = True
     kill_grace: float = DEFAULT_KILL_GRACE_S
+    venv_script: str | None = None
+    log_level: str = DEFAULT_LOG_LEVEL
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -86,6 +103,8 @@ class NodeSpec:
             raise LaunchError(
                 f"node rank {self.node_rank} is out of range for {len(self.resources)} node(s)"
             )
+        if self.module and self.no_python:
+            raise LaunchError("--module runs `python -m`, --no_python runs no python: pick one")
 
     @property
     def host(self) -> str:
@@ -105,12 +124,16 @@ class NodeSpec:
         return sum(len(slots) for slots in list(self.resources.values())[: self.node_rank])
 
     def rank_command(self, local_rank: int, python: str = sys.executable) -> list[str]:
-        """The argv of one rank: ``python -u [-m] script [--local_rank=N] args``."""
+        """The argv of one rank: ``python -u [-m] script [--local_rank=N] args``, run through
+        ``sh -c '. SCRIPT && exec "$@"'`` with a ``venv_script``."""
         command = [] if self.no_python else [python, "-u", *(["-m"] if self.module else [])]
         command.append(self.user_script)
         if not self.no_local_rank:
             command.append(f"--local_rank={local_rank}")
-        return [*command, *self.user_args]
+        command += self.user_args
+        if self.venv_script is not None:
+            command = ["/bin/sh", "-c", SOURCE_AND_EXEC, sourced(self.venv_script), *command]
+        return command
 
     def rank_env(self, local_rank: int) -> dict[str, str]:
         """Variables set for one rank (on top of the agent's environment and ``env``)."""
@@ -159,27 +182,37 @@ class NodeSpec:
             argv.append(f"--bind_core_list={self.bind_core_list}")
         if self.kill_grace != DEFAULT_KILL_GRACE_S:
             argv.append(f"--kill_grace={self.kill_grace}")
+        if self.venv_script is not None:
+            argv.append(f"--venv_script={self.venv_script}")
+        if self.log_level != DEFAULT_LOG_LEVEL:
+            argv.append(f"--log_level={self.log_level}")
         return [*argv, self.user_script, *self.user_args]
 
 
 def _agent_parser() -> argparse.ArgumentParser:
+    """DeepSpeed's ``deepspeed.launcher.launch`` flags and defaults, plus ds-launch's own."""
     parser = argparse.ArgumentParser(
         prog="python -m ds_launch.node",
-        description="ds-launch's per-node agent: starts this node's ranks and supervises them.",
+        description="ds-launch's per-node agent (DeepSpeed's deepspeed.launcher.launch): starts "
+        "this node's ranks and supervises them.",
+        allow_abbrev=False,
     )
-    parser.add_argument("--world_info", required=True, help="base64 JSON {host: [slots]}")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--node_rank", type=int, help="this node's index in world_info")
+    parser.add_argument("--world_info", default="None", help="base64 JSON {host: [slots]}")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--node_rank", type=int, default=None, help="this node's index (0)")
     where.add_argument("--node_host", help="this node's host name in world_info (pdsh's %%h)")
-    parser.add_argument("--master_addr", required=True)
-    parser.add_argument("--master_port", type=int, required=True)
+    parser.add_argument("--master_addr", default="127.0.0.1")
+    parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT)
     parser.add_argument("--module", action="store_true")
     parser.add_argument("--no_python", action="store_true")
     parser.add_argument("--no_local_rank", action="store_true")
-    parser.add_argument("--save_pid", type=int, default=None)
-    parser.add_argument("--enable_each_rank_log", default=None)
+    parser.add_argument("--save_pid", type=int, default=0, help="launcher pid (0: no pid file)")
+    parser.add_argument("--enable_each_rank_log", default="None")
     parser.add_argument("--bind_cores_to_rank", action="store_true")
     parser.add_argument("--bind_core_list", default=None)
+    parser.add_argument("--log_level", default=DEFAULT_LOG_LEVEL, choices=LOG_LEVELS)
+    parser.add_argument("-q", "--quiet", action="store_true", help="--log_level error")
+    parser.add_argument("--venv_script", default=None, help="shell script each rank sources")
     parser.add_argument("--cpu", action="store_true", help="slots are CPU ranks, not GPUs")
     parser.add_argument("--kill_grace", type=float, default=DEFAULT_KILL_GRACE_S)
     parser.add_argument("user_script")
@@ -195,8 +228,11 @@ def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
         SystemExit: the arguments do not parse (argparse prints the usage).
     """
     args = _agent_parser().parse_args(list(argv))
+    if args.world_info == "None":
+        raise LaunchError("--world_info is required: the job's {host: [slots]} as base64 JSON")
     resources = decode_world_info(args.world_info)
-    node_rank = args.node_rank
+    node_rank = 0 if args.node_rank is None else args.node_rank
+    log_dir = args.enable_each_rank_log  # DeepSpeed's "no directory" is the string "None"
     if args.node_host is not None:
         if args.node_host not in resources:
             raise LaunchError(
@@ -213,10 +249,12 @@ def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
         module=args.module,
         no_python=args.no_python,
         no_local_rank=args.no_local_rank,
-        save_pid=args.save_pid,
-        enable_each_rank_log=args.enable_each_rank_log,
+        save_pid=args.save_pid or None,
+        enable_each_rank_log=None if log_dir == "None" else log_dir,
         bind_cores_to_rank=args.bind_cores_to_rank,
         bind_core_list=args.bind_core_list,
         gpus=not args.cpu,
         kill_grace=args.kill_grace,
+        venv_script=args.venv_script,
+        log_level="error" if args.quiet else args.log_level,
     )

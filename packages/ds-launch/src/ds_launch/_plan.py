@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from ds_launch import _runners
 from ds_launch._devices import visible_gpu_ids
-from ds_launch._exports import collect_exports, without_launch_vars
+from ds_launch._exports import collect_exports, env_files, without_launch_vars
 from ds_launch._hostfile import parse_hostfile
 from ds_launch._nodespec import NodeSpec
 from ds_launch._resources import select_resources
@@ -47,6 +47,7 @@ class Built:
     local_node: NodeSpec | None
     tools: tuple[ChildSpec, ...]
     hint: str | None
+    env_files: tuple[str, ...] = ()
 
 
 def _pool(config: LaunchConfig, environ: Mapping[str, str], default_hostfile: str) -> _Pool:
@@ -101,7 +102,8 @@ def _layout(
 
 
 def _job(config: LaunchConfig, pool: _Pool, pid: int) -> tuple[NodeSpec, str]:
-    """The job's layout as node 0's spec, and the runner that will start it."""
+    """The job's layout as the spec of the node started first (node 0, or ``--node_rank`` with
+    ``--no_ssh``), and the runner that will start it."""
     resources = select_resources(
         pool.slots,
         include=config.include,
@@ -110,22 +112,28 @@ def _job(config: LaunchConfig, pool: _Pool, pid: int) -> tuple[NodeSpec, str]:
         num_gpus=config.num_gpus,
         pool_name=pool.name,
     )
-    multi = config.force_multi or len(resources) > 1
+    multi = not config.no_ssh and (config.force_multi or len(resources) > 1)
     if config.launcher == "local" and multi:
         raise LaunchError(
             f"--launcher local runs on this machine only, but the job spans {len(resources)} "
             f"node(s) ({', '.join(resources)}){' with --force_multi' if config.force_multi else ''}"
-            "; pick a multi-node launcher or select one node (--num_nodes 1, --include)"
+            "; pick a multi-node launcher or select one node (--num_nodes 1, --include), or "
+            "start each node yourself with --no_ssh --node_rank N"
+        )
+    if config.no_ssh and config.node_rank >= len(resources):
+        raise LaunchError(
+            f"--node_rank {config.node_rank}: the job has {len(resources)} node(s) "
+            f"({', '.join(resources)}); pass 0..{len(resources) - 1}"
         )
     launcher = config.launcher if multi else "local"
     if launcher != "local":
         _runners.check_agent_options(config)
-    # Without a hostfile every rank is on this machine, whatever the runner.
-    on_this_machine = not multi or pool.hostfile is None
+    # Every rank is on this machine without a hostfile, or when one node runs alone.
+    on_this_machine = pool.hostfile is None or (len(resources) == 1 and not multi)
     master_addr = config.master_addr or (LOCAL_ADDR if on_this_machine else next(iter(resources)))
     spec = NodeSpec(
         resources=resources,
-        node_rank=0,
+        node_rank=config.node_rank if config.no_ssh else 0,
         master_addr=master_addr,
         master_port=config.master_port,
         user_script=config.user_script,
@@ -139,8 +147,22 @@ def _job(config: LaunchConfig, pool: _Pool, pid: int) -> tuple[NodeSpec, str]:
         bind_core_list=config.bind_core_list,
         gpus=pool.gpus,
         kill_grace=config.kill_grace,
+        venv_script=config.venv_script,
+        log_level=config.log_level,
     )
     return spec, launcher
+
+
+def _check_venv_script(config: LaunchConfig, cwd: str) -> None:
+    """A local launch can check ``--venv_script`` exists (remote nodes check for themselves)."""
+    if config.venv_script is None:
+        return
+    path = os.path.join(cwd, config.venv_script)
+    if not os.path.isfile(path):
+        raise LaunchError(
+            f"--venv_script {config.venv_script}: no such file (looked at {path}); pass the "
+            "activation script's path, e.g. /path/to/venv/bin/activate"
+        )
 
 
 def build(
@@ -160,6 +182,7 @@ def build(
     pool = _pool(config, environ, default_hostfile)
     spec, launcher = _job(config, pool, pid)
     exports = collect_exports(environ, cwd=cwd, home=home, multi_node=launcher != "local")
+    read = tuple(env_files(environ, cwd, home))
     common = {
         "launcher": launcher,
         "world_size": spec.world_size,
@@ -168,9 +191,10 @@ def build(
         "exports": exports,
     }
     if launcher == "local":
+        _check_venv_script(config, cwd)
         nodes = _layout(spec, exports)
-        plan = LaunchPlan(commands=(nodes[0].command,), nodes=nodes, **common)
-        return Built(plan, replace(spec, env=exports), (), pool.hint)
+        plan = LaunchPlan(commands=(nodes[spec.node_rank].command,), nodes=nodes, **common)
+        return Built(plan, replace(spec, env=exports), (), pool.hint, read)
     files: dict[str, str] = {}
     if launcher == "pdsh":
         argv, tool_env = _runners.pdsh_command(config, spec, exports, cwd, environ)
@@ -190,7 +214,7 @@ def build(
         **common,
     )
     env = {**without_launch_vars(environ), **tool_env}
-    return Built(plan, None, _tool_children(launcher, commands, env, spec), pool.hint)
+    return Built(plan, None, _tool_children(launcher, commands, env, spec), pool.hint, read)
 
 
 def _tool_children(

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from ds_launch._log import Console
 from ds_launch.api import LaunchError
 
 PR_SET_PDEATHSIG = 1
@@ -361,8 +362,11 @@ class _Stream:
 class _Job:
     """One supervised run; see ``supervise``."""
 
-    def __init__(self, specs: Sequence[ChildSpec], kill_grace: float, noun: str) -> None:
+    def __init__(
+        self, specs: Sequence[ChildSpec], kill_grace: float, noun: str, console: Console
+    ) -> None:
         self.specs = specs
+        self.console = console
         self.kill_grace = kill_grace
         self.noun = noun
         self.children: list[_Child] = []
@@ -377,8 +381,10 @@ class _Job:
         # Descendants outside the children's groups, found when stopping (see signal_all).
         self.escaped: set[int] = set()
 
-    def notice(self, text: str) -> None:
-        self.err(f"ds-launch: {text}\n".encode())
+    def notice(self, level: str, text: str) -> None:
+        # Through the children's writer, so it never splits one of their lines.
+        if self.console.enabled(level):
+            self.err(f"{self.console.prefix}: {text}\n".encode())
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -489,14 +495,14 @@ class _Job:
         others = [c for c in self.live if c is not child]
         if others:
             count = f"{len(others)} other {self.noun}{'s' if len(others) > 1 else ''}"
-            self.notice(f"{what}; stopping the {count}")
+            self.notice("error", f"{what}; stopping the {count}")
         self.stop(signal.SIGTERM)
 
     def on_signal(self, sig: int) -> None:
         if self.signal is None and self.failure is None:
             self.signal = sig
             name = signal.Signals(sig).name
-            self.notice(f"got {name}; passing it on to {len(self.live)} {self.noun}(s)")
+            self.notice("warning", f"got {name}; passing it on to {len(self.live)} {self.noun}(s)")
             self.stop(sig)
         else:  # a second signal, or one during a shutdown: stop waiting
             self.signal_all(signal.SIGKILL)
@@ -568,22 +574,23 @@ class _Job:
         return Outcome(0, None, None)
 
 
-def report_failure(outcome: Outcome, *, with_tail: bool) -> None:
-    """Print the first failure to stderr, with its last lines of output when ``with_tail``."""
+def report_failure(outcome: Outcome, *, with_tail: bool, console: Console) -> None:
+    """Print the first failure (level ``error``), with its last lines when ``with_tail``."""
     failure = outcome.failure
     if failure is None:
         return
-    lines = [f"ds-launch: {failure.name}"]
+    lines = [failure.name]
     if with_tail and failure.tail:
         lines[0] += f"; its last {len(failure.tail)} line(s):"
         lines += [f"    {failure.prefix}{line}" for line in failure.tail]
     elif with_tail:
         lines[0] += "; it printed nothing"
-    sys.stderr.write("\n".join(lines) + "\n")
-    sys.stderr.flush()
+    console.error("\n".join(lines))
 
 
-def supervise(specs: Sequence[ChildSpec], *, kill_grace: float, noun: str) -> Outcome:
+def supervise(
+    specs: Sequence[ChildSpec], *, kill_grace: float, noun: str, console: Console
+) -> Outcome:
     """Start every child, forward their output, and wait until all have ended.
 
     The first child to exit non-zero (or flagged by its ``failure_line``) fails the job: the
@@ -594,6 +601,7 @@ def supervise(specs: Sequence[ChildSpec], *, kill_grace: float, noun: str) -> Ou
         specs: the children, started in order.
         kill_grace: seconds between SIGTERM (or the forwarded signal) and SIGKILL.
         noun: what a child is, for messages (``rank``, ``node``).
+        console: where the supervisor's own messages go, and at which level.
 
     Returns:
         The outcome: exit code 0 when every child exited 0, the first failure's code, or
@@ -602,7 +610,7 @@ def supervise(specs: Sequence[ChildSpec], *, kill_grace: float, noun: str) -> Ou
     Raises:
         LaunchError: a child could not be started (those already started are killed first).
     """
-    job = _Job(specs, kill_grace, noun)
+    job = _Job(specs, kill_grace, noun, console)
     with _Reaper() as reaper, _Wakeup() as wakeup:
         try:
             job.start(reaper)

@@ -13,8 +13,10 @@ from ds_launch._devices import parse_core_list
 
 __all__ = [
     "DEFAULT_HOSTFILE",
+    "DEFAULT_LOG_LEVEL",
     "DEFAULT_MASTER_PORT",
     "LAUNCHERS",
+    "LOG_LEVELS",
     "HostfileError",
     "LaunchConfig",
     "LaunchError",
@@ -30,6 +32,9 @@ DEFAULT_KILL_GRACE_S = 5.0
 LAUNCHERS = ("local", "pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 # Runners that start ranks through ds-launch's node agent (so per-rank options work there).
 AGENT_LAUNCHERS = ("local", "pdsh", "ssh")
+# DeepSpeed's ``--log_level`` choices and default (``-q`` means ``error``).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_LOG_LEVEL = "info"
 
 
 class LaunchError(Exception):
@@ -84,6 +89,13 @@ class LaunchConfig:
         bind_cores_to_rank: pin each rank to its share of the cores; sets ``OMP_NUM_THREADS``.
         bind_core_list: the cores to share out, ``0-7,16-23`` (None: all usable cores).
         ssh_port: port of the nodes' sshd (pdsh and ssh launchers).
+        no_ssh: start only this machine's ranks, as node ``node_rank`` of the job; the same
+            command is run on every node by other means (a scheduler, a container runtime).
+        node_rank: this machine's index among the job's nodes (with ``no_ssh`` only; -1: unset).
+        venv_script: a shell script every rank sources before it starts (e.g. a virtualenv's
+            ``bin/activate``), relative to the launch directory unless absolute.
+        log_level: the launcher's messages to print: ``debug``, ``info``, ``warning``,
+            ``error`` or ``critical`` (DeepSpeed's levels; ``-q`` is ``error``).
         dry_run: print the plan as JSON and run nothing.
         kill_grace: seconds between SIGTERM and SIGKILL when stopping ranks (ds-launch only).
     """
@@ -108,12 +120,17 @@ class LaunchConfig:
     bind_cores_to_rank: bool = False
     bind_core_list: str | None = None
     ssh_port: int | None = None
+    no_ssh: bool = False
+    node_rank: int = -1
+    venv_script: str | None = None
+    log_level: str = DEFAULT_LOG_LEVEL
     dry_run: bool = False
     kill_grace: float = DEFAULT_KILL_GRACE_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "user_args", tuple(self.user_args))
         object.__setattr__(self, "launcher", self.launcher.lower())
+        object.__setattr__(self, "log_level", self.log_level.lower())
         if not self.user_script:
             raise LaunchError("no user script: pass the program to run after the ds-launch flags")
         if self.launcher not in LAUNCHERS:
@@ -150,6 +167,40 @@ class LaunchConfig:
                 parse_core_list(self.bind_core_list)
             except ValueError as exc:
                 raise LaunchError(f"--bind_core_list {self.bind_core_list}: {exc}") from None
+        self._check_node_options()
+
+    def _check_node_options(self) -> None:
+        """``--no_ssh``/``--node_rank``, ``--venv_script`` and ``--log_level``."""
+        if self.log_level not in LOG_LEVELS:
+            raise LaunchError(
+                f"--log_level {self.log_level}: unknown level; use one of {', '.join(LOG_LEVELS)}"
+            )
+        if self.venv_script is not None and not self.venv_script.strip():
+            raise LaunchError("--venv_script '': empty path; name the script or drop the flag")
+        if self.node_rank < -1:
+            raise LaunchError(f"--node_rank {self.node_rank}: must be >= 0")
+        if not self.no_ssh:
+            if self.node_rank >= 0:
+                raise LaunchError(
+                    f"--node_rank {self.node_rank} is only used with --no_ssh (each node started "
+                    "on its own); add --no_ssh, or drop --node_rank"
+                )
+            return
+        if self.node_rank < 0:
+            raise LaunchError(
+                "--no_ssh needs --node_rank N: this machine's index among the job's nodes "
+                "(the hostfile's order, from 0)"
+            )
+        if self.force_multi:
+            raise LaunchError(
+                "--no_ssh starts only this machine's ranks, --force_multi starts every node "
+                "through a runner: pick one"
+            )
+        if self.launcher not in ("pdsh", "local"):
+            raise LaunchError(
+                f"--no_ssh starts only this machine's ranks, so --launcher {self.launcher} "
+                "would not be used: drop one"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +249,8 @@ class LaunchPlan:
     """Everything a launch will do, computed without running anything (``--dry_run`` prints it).
 
     Attributes:
-        launcher: the runner used; ``local`` for a one-node job without ``--force_multi``.
+        launcher: the runner used; ``local`` for a one-node job without ``--force_multi``, and
+            with ``no_ssh`` (only this machine's node starts).
         world_size: total number of ranks.
         master_addr: rank 0's address as every rank sees it.
         master_port: rank 0's rendezvous port.
@@ -206,7 +258,7 @@ class LaunchPlan:
             ``UCX_*``, ``FI_*``, ``.deepspeed_env``...).
         commands: the argvs ds-launch starts on this machine (one per node for ``ssh``). For
             ``local`` the agent runs inside the ds-launch process; its argv is the equivalent
-            ``python -m ds_launch.node`` command.
+            ``python -m ds_launch.node`` command (of node ``node_rank`` with ``no_ssh``).
         tool_env: variables set for those commands only (e.g. ``PDSH_RCMD_TYPE``).
         files: files written before the commands run (path -> text), e.g. an MPI hostfile.
         nodes: the nodes, in rank order.

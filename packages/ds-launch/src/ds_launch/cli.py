@@ -16,23 +16,32 @@ from typing import Any
 from ds_launch.api import (
     DEFAULT_HOSTFILE,
     DEFAULT_KILL_GRACE_S,
+    DEFAULT_LOG_LEVEL,
     DEFAULT_MASTER_PORT,
     LAUNCHERS,
+    LOG_LEVELS,
     LaunchConfig,
     LaunchError,
 )
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "main", "parse_args"]
 
-# DeepSpeed flags ds-launch does not implement, and why; using one is an error that says so.
+# DeepSpeed launcher flags ds-launch does not implement: what to do instead. Using one is an
+# error that says so. ``--autotuning`` is DeepSpeed 0.19's; the others are older DeepSpeed's.
 _UNSUPPORTED = {
-    "--autotuning": "DeepSpeed's autotuner is not part of ds",
-    "--elastic_training": "elastic training is not supported; restart the job instead",
-    "--min_elastic_nodes": "elastic training is not supported",
-    "--max_elastic_nodes": "elastic training is not supported",
-    "--comment": "pass srun options through --launcher_args",
-    "--detect_nvlink_pairs": "pass CUDA_VISIBLE_DEVICES or --include instead",
+    "--autotuning": "DeepSpeed's autotuner is not part of ds; tune the config by hand, or run "
+    "DeepSpeed's autotuner and use the config it writes",
+    "--elastic_training": "elastic training is not part of ds; restart the job with the new "
+    "node count (checkpoints reshard on load)",
+    "--min_elastic_nodes": "elastic training is not part of ds; pick the node count with "
+    "--num_nodes",
+    "--max_elastic_nodes": "elastic training is not part of ds; pick the node count with "
+    "--num_nodes",
+    "--comment": "pass srun's --comment through --launcher_args",
+    "--detect_nvlink_pairs": "pick the GPUs with --include or CUDA_VISIBLE_DEVICES",
 }
+# Those of them that take no value.
+_SWITCHES = ("--elastic_training", "--detect_nvlink_pairs")
 
 
 _FLAGS: dict[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...]] = {
@@ -62,6 +71,12 @@ _FLAGS: dict[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...]] = {
         (("--ssh_port",), {"type": int, "default": None, "help": "sshd port of the nodes"}),
         (("--no_ssh_check",), {"action": "store_true", "help": "accepted for DeepSpeed "
             "compatibility; ds-launch runs no ssh pre-check"}),
+        (("--no_ssh",), {"action": "store_true", "help": "start only this machine's ranks, as "
+            "node --node_rank of the hostfile; run the same command on every node yourself"}),
+        (("--node_rank",), {"type": int, "default": -1, "help": "this machine's index among "
+            "the job's nodes, 0..N-1 (with --no_ssh only)"}),
+        (("--venv_script",), {"default": None, "metavar": "SCRIPT", "help": "shell script each"
+            " rank sources before it starts, e.g. a virtualenv's bin/activate"}),
     ),
     "user program": (
         (("-m", "--module"), {"action": "store_true", "help": "run the user script as a module "
@@ -85,6 +100,12 @@ _FLAGS: dict[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...]] = {
         (("--dry_run",), {"action": "store_true", "help": "print each node's command and the "
             "resource map as JSON; run nothing"}),
     ),
+    "messages": (
+        (("--log_level",), {"default": DEFAULT_LOG_LEVEL, "choices": LOG_LEVELS, "help": "the "
+            "launcher's messages to print (default info); ranks' output is never filtered"}),
+        (("-q", "--quiet"), {"action": "store_true", "help": "print only errors: "
+            "--log_level error"}),
+    ),
 }  # fmt: skip
 
 
@@ -94,13 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds-launch",
         description="Launch a distributed job on this machine or across a cluster. Takes the "
         "`deepspeed` launcher's flags with the same meaning.",
+        allow_abbrev=False,  # else --no_ssh would be taken as --no_ssh_check, and so on
     )
     for title, flags in _FLAGS.items():
         group = parser.add_argument_group(title)
         for names, options in flags:
             group.add_argument(*names, **options)
     for flag in _UNSUPPORTED:
-        parser.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+        value = {"action": "store_const", "const": True} if flag in _SWITCHES else {"nargs": "?"}
+        parser.add_argument(flag, default=None, help=argparse.SUPPRESS, **value)
     parser.add_argument("user_script", help="the program every rank runs")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -114,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """
     for flag, why in _UNSUPPORTED.items():
         if getattr(args, flag.lstrip("-")) is not None:
-            raise LaunchError(f"{flag} is a DeepSpeed flag ds-launch does not support: {why}")
+            raise LaunchError(f"{flag} is not implemented by ds-launch: {why}")
     log_dir = args.enable_each_rank_log
     return LaunchConfig(
         user_script=args.user_script,
@@ -138,6 +161,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         bind_cores_to_rank=args.bind_cores_to_rank,
         bind_core_list=args.bind_core_list,
         ssh_port=args.ssh_port,
+        no_ssh=args.no_ssh,
+        node_rank=args.node_rank,
+        venv_script=args.venv_script,
+        log_level="error" if args.quiet else args.log_level,
         dry_run=args.dry_run,
         kill_grace=args.kill_grace,
     )
@@ -164,11 +191,20 @@ def _attach_launcher_args(parser: argparse.ArgumentParser, argv: list[str]) -> l
     return argv
 
 
+def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a ``ds-launch`` (or ``deepspeed``) command line, ``sys.argv[1:]`` by default.
+
+    Raises:
+        SystemExit: the command line does not parse (argparse prints the usage).
+    """
+    parser = build_parser()
+    words = list(sys.argv[1:] if args is None else args)
+    return parser.parse_args(_attach_launcher_args(parser, words))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script: parse, launch, return the exit code (2 for a usage error)."""
-    parser = build_parser()
-    words = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(_attach_launcher_args(parser, words))
+    args = parse_args(argv)
     try:
         config = config_from_args(args)
         from ds_launch._launch import launch  # after parsing: --help and usage errors stay fast
