@@ -1,0 +1,10 @@
+"""``deepspeed.launcher``: ``launcher.runner`` (the ``deepspeed`` command) and ``launcher.launch``
+(the per-node launcher), both provided by ds-launch.
+
+As in DeepSpeed, the submodules are imported by name (``from ds_engine.launcher.runner import
+...``), never here: ``python -m ds_engine.launcher.runner`` must find them not yet imported.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
