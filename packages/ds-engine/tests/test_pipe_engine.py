@@ -238,5 +238,6 @@ def test_deepspeed_pipe_namespace() -> None:
     pipe = importlib.import_module("ds_engine.pipe")
     assert pipe.PipelineModule is ds_pipe.PipelineModule
     assert pipe.LayerSpec is ds_pipe.LayerSpec and pipe.TiedLayerSpec is ds_pipe.TiedLayerSpec
-    assert pipe.PipelineEngine is ds_pipe.PipelineEngine
+    # The class of what initialize() returns for a PipelineModule (DeepSpeed's PipelineEngine).
+    assert pipe.PipelineEngine is importlib.import_module("ds_engine._pipe").PipelineDeepSpeedEngine
     assert pipe.PipeModelDataParallelTopology is ds_comm.PipeModelDataParallelTopology

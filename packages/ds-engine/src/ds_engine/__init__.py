@@ -1,8 +1,11 @@
 """initialize(), the training engine and config: the ds_engine namespace.
 
-``import ds_engine as deepspeed`` runs DeepSpeed-style scripts: ``deepspeed.initialize``,
-``deepspeed.comm``, ``deepspeed.ops.adam``, ``deepspeed.runtime.lr_schedules``, ``deepspeed.zero``
-and, when ds-moe / ds-pipe are installed, ``deepspeed.moe`` / ``deepspeed.pipe``.
+``import ds_engine as deepspeed`` runs DeepSpeed-style scripts, and the opt-in ``deepspeed``
+distribution maps every ``deepspeed.X`` path onto ``ds_engine.X``. The namespace offers
+DeepSpeed's module paths (``runtime.zero``, ``runtime.pipe``, ``ops.op_builder``, ``utils``,
+``accelerator``, ...); each is a thin re-export of the ds package that owns the behaviour.
+Submodules load on first attribute access (``deepspeed.utils``), so importing the namespace does
+not import every package behind it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,36 @@ from ds_engine._loader import DeepSpeedDataLoader
 from ds_engine._progress import numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig, config_json_schema
 
-# --- the deepspeed namespace (submodules) ---
-# isort: split
-from ds_engine import comm, ops, runtime, zero
+# The deepspeed namespace: submodules imported on first attribute access.
+_SUBMODULES = frozenset(
+    {
+        "accelerator",
+        "checkpoint",
+        "checkpointing",
+        "comm",
+        "env_report",
+        "launcher",
+        "moe",
+        "monitor",
+        "ops",
+        "pipe",
+        "profiling",
+        "runtime",
+        "utils",
+        "zero",
+    }
+)
+# DeepSpeed's top-level names that live in a submodule: name -> module (imported on first use).
+_LAZY_NAMES = {
+    "DeepSpeedConfigError": "ds_engine.runtime.config",
+    "DeepSpeedOptimizer": "ds_engine.runtime.base_optimizer",
+    "PipelineEngine": "ds_engine.runtime.pipe.engine",
+    "PipelineModule": "ds_engine.pipe",
+    "get_accelerator": "ds_engine.accelerator",
+    "log_dist": "ds_engine.utils",
+    "logger": "ds_engine.utils",
+    "OnDevice": "ds_engine.utils",
+}
 
 __all__ = [
     # entry points
@@ -40,20 +70,42 @@ __all__ = [
     "ConfigError",
     "config_json_schema",
     "numerics_table",
-    # the deepspeed namespace
+    # the deepspeed namespace (lazy)
+    "DeepSpeedConfigError",
+    "DeepSpeedOptimizer",
+    "PipelineEngine",
+    "PipelineModule",
+    "get_accelerator",
+    "log_dist",
+    "logger",
+    "OnDevice",
+    "accelerator",
+    "checkpoint",
+    "checkpointing",
     "comm",
+    "env_report",
+    "launcher",
+    "moe",
+    "monitor",
     "ops",
+    "pipe",
+    "profiling",
     "runtime",
+    "utils",
     "zero",
     "__version__",
 ]
 
-_OPTIONAL_SUBMODULES = ("moe", "pipe")
-
 
 def __getattr__(name: str) -> Any:
-    # deepspeed.moe / deepspeed.pipe need optional packages: import on first use, so a missing
-    # one fails only where it is used, with the pip command to run.
-    if name in _OPTIONAL_SUBMODULES:
+    # Import on first use: ``deepspeed.moe`` / ``deepspeed.pipe`` need optional packages and fail
+    # only where they are used, with the pip command to run.
+    if name in _SUBMODULES:
         return importlib.import_module(f"ds_engine.{name}")
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     raise AttributeError(f"module 'ds_engine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES, *_LAZY_NAMES})

@@ -1,36 +1,35 @@
-"""``deepspeed.pipe``: PipelineModule, LayerSpec, TiedLayerSpec and the pipeline engine and
-topologies from ds-pipe and ds-comm."""
+"""``deepspeed.pipe``: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``, the topologies and
+the pipeline engine (ds-pipe and ds-comm; ``pip install ds-engine[pipe]``).
+
+The same objects as ``deepspeed.runtime.pipe``: ``PipelineEngine`` (loaded on first use) is the
+class of what ``initialize()`` returns for a ``PipelineModule``.
+"""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from ds_engine._optional import require
+from ds_engine.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from ds_engine.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
 
-_NAMES = ("PipelineModule", "LayerSpec", "TiedLayerSpec")
-# DeepSpeed's deepspeed.pipe also exports these; present once ds-pipe has PipelineModule.
-_MORE = {
-    "PipelineEngine": "ds_pipe",
-    "ProcessTopology": "ds_comm",
-    "PipeDataParallelTopology": "ds_comm",
-    "PipeModelDataParallelTopology": "ds_comm",
-}
-_pipe = require("ds_pipe", "ds-pipe", "deepspeed.pipe (ds_engine.pipe)")
-if not all(hasattr(_pipe, name) for name in _NAMES):
-    raise ImportError(
-        "deepspeed.pipe (ds_engine.pipe): the installed ds-pipe does not provide PipelineModule "
-        "yet (pipeline parallelism has not landed); install a ds-pipe release that does: "
-        "pip install -U ds-pipe"
-    )
+__all__ = [
+    "LayerSpec",
+    "PipelineModule",
+    "TiedLayerSpec",
+    "PipelineEngine",  # noqa: F822  (module __getattr__: loaded on first use)
+    "ProcessTopology",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(_pipe, name)
-    if name in _MORE:
-        return getattr(importlib.import_module(_MORE[name]), name)
-    raise AttributeError(f"module 'ds_engine.pipe' has no attribute {name!r}")
+    if name == "PipelineEngine":
+        from ds_engine.runtime.pipe.engine import PipelineEngine
 
-
-__all__ = [*_NAMES, *_MORE]
+        return PipelineEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,38 @@
-"""``deepspeed.runtime``: ``runtime.lr_schedules``."""
+"""``deepspeed.runtime``: DeepSpeed's runtime module paths over the ds packages.
+
+Submodules load on first attribute access: ``zero`` (ds-zero), ``pipe`` (ds-pipe), ``engine``,
+``config``, ``dataloader``, ``utils``, ``lr_schedules`` (ds-optim), ``base_optimizer``,
+``fp16`` and ``activation_checkpointing``.
+"""
 
 from __future__ import annotations
 
-from ds_engine.runtime import lr_schedules
+import importlib
+from typing import Any
 
-__all__ = ["lr_schedules"]
+_SUBMODULES = frozenset(
+    {
+        "activation_checkpointing",
+        "base_optimizer",
+        "config",
+        "dataloader",
+        "engine",
+        "fp16",
+        "lr_schedules",
+        "pipe",
+        "utils",
+        "zero",
+    }
+)
+
+__all__ = sorted(_SUBMODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})

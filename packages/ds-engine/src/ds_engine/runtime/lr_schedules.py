@@ -11,6 +11,11 @@ from ds_optim import (
     build_lr_scheduler,
 )
 
+# The ``scheduler.type`` names DeepSpeed builds itself (accelerate checks a config against it).
+VALID_LR_SCHEDULES = [
+    cls.__name__ for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)
+]
+
 __all__ = [
     "LRRangeTest",
     "OneCycle",
@@ -18,4 +23,5 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "build_lr_scheduler",
+    "VALID_LR_SCHEDULES",
 ]
