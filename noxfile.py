@@ -28,6 +28,8 @@ DISTRIBUTIONS = {
     "ds-moe": "packages/ds-moe",
     "ds-launch": "packages/ds-launch",
     "ds-engine": "packages/ds-engine",
+    # The opt-in `deepspeed` alias distribution (never a dependency of the ds packages).
+    "deepspeed": "packages/deepspeed",
 }
 
 # Sessions that use Debian packages for real (sshd, pdsh, libaio, fio); tools/setup/system-deps.sh
