@@ -1,0 +1,255 @@
+"""ds against real DeepSpeed on one GPU: tokens/s and peak memory of a GPT at ZeRO-2/3 and with
+ZeRO-Offload, and ds's FusedAdam against torch's fused Adam.
+
+Needs CUDA; prints why and exits 0 without it. Each (system, setting) trains in a fresh process,
+so each peak-memory figure is its own: the same GPT-style model (``--params`` million
+parameters, bf16, ``--seq`` tokens, ``--micro-batch`` sequences per step), the same random
+tokens, the same optimizer on both sides (``torch.optim.AdamW`` through the config's
+``"torch_adam": true``, so no system wins by its kernel and real DeepSpeed needs no JIT build),
+on one rank with the NCCL backend. ``deepspeed`` must be the real DeepSpeed (installed with
+``DS_BUILD_OPS=0``); without it only ds's rows are printed.
+
+Goals (issue 18): ds's tokens/s >= DeepSpeed's and ds's peak memory <= DeepSpeed's in every row.
+
+Usage (from the workspace root, on a GPU machine)::
+
+    python tools/bench/gpu.py                       # ~1B params, ZeRO-2, ZeRO-3, offload, Adam
+    python tools/bench/gpu.py --params 125 --steps 5 --settings zero2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+SETTINGS = {
+    "zero2": {"stage": 2, "offload": False},
+    "zero3": {"stage": 3, "offload": False},
+    "zero2-offload": {"stage": 2, "offload": True},
+}
+GIB = 1 << 30
+
+
+def _gpt(vocab: int, dim: int, layers: int, seq: int) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class GPT(nn.Module):
+        """Decoder-only transformer with causal pre-norm blocks and a tied head."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.position = nn.Parameter(torch.zeros(seq, dim))
+            block = nn.TransformerEncoderLayer(
+                dim, dim // 128, 4 * dim, dropout=0.0, activation="gelu", batch_first=True,
+                norm_first=True,
+            )  # fmt: skip
+            self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(dim)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens[:, :-1]) + self.position
+            x = self.blocks(x, is_causal=True, mask=_causal(seq, x))
+            logits = F.linear(self.norm(x), self.embed.weight).float()
+            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def _causal(n: int, x: torch.Tensor) -> torch.Tensor:
+        return nn.Transformer.generate_square_subsequent_mask(n, device=x.device, dtype=x.dtype)
+
+    return GPT()
+
+
+def _width(params_m: float, layers: int, vocab: int) -> int:
+    """The width (a multiple of 128) giving about ``params_m`` million parameters."""
+    target = params_m * 1e6
+    dim = 128
+    while 12 * (dim + 128) ** 2 * layers + vocab * (dim + 128) <= target:
+        dim += 128
+    return dim
+
+
+def _config(setting: str, micro_batch: int) -> dict[str, Any]:
+    spec = SETTINGS[setting]
+    zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True}
+    if spec["offload"]:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1_000_000,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    }
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One training run in this process; returns its figures."""
+    import torch
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    if args.system == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+        import deepspeed as engine_lib
+    else:
+        import ds_engine as engine_lib
+    engine_lib.init_distributed(dist_backend="nccl")
+    torch.manual_seed(0)
+    dim = _width(args.params, args.layers, args.vocab)
+    model = _gpt(args.vocab, dim, args.layers, args.seq - 1)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine, *_ = engine_lib.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=_config(args.setting, args.micro_batch),
+    )
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(1)
+    batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device, generator=gen)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    times.sort()
+    median = times[len(times) // 2]
+    return {
+        "system": args.system,
+        "setting": args.setting,
+        "params": n_params,
+        "tokens_per_s": args.micro_batch * (args.seq - 1) / median,
+        "step_s": median,
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+        "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def _adam_bench(numel_m: float, steps: int) -> list[dict[str, Any]]:
+    """ds FusedAdam (Triton) against torch.optim.AdamW(fused=True) on one flat bf16/fp32 set."""
+    import torch
+
+    from ds_optim import FusedAdam
+
+    rows = []
+    for name in ("torch fused AdamW", "ds FusedAdam"):
+        torch.manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(int(numel_m * 1e6) // 8, device="cuda"))
+            for _ in range(8)
+        ]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if name.startswith("torch"):
+            opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        else:
+            opt = FusedAdam(params, lr=1e-3)
+        for _ in range(3):
+            opt.step()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / steps
+        # Adam reads p, g, m, v and writes p, m, v: 7 fp32 words per element.
+        rows.append({"optimizer": name, "ms": ms, "gb_s": 7 * 4 * numel_m * 1e6 / ms / 1e6})
+    return rows
+
+
+def _run(args: argparse.Namespace, system: str, setting: str) -> dict[str, Any] | str:
+    cmd = [sys.executable, __file__, "--worker", "--system", system, "--setting", setting]
+    for key in ("params", "layers", "vocab", "seq", "micro_batch", "steps", "warmup"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return "failed: " + " | ".join(tail)
+
+
+def _real_deepspeed_present() -> bool:
+    probe = "import deepspeed, sys; sys.exit(0 if hasattr(deepspeed, 'DeepSpeedEngine') and 'ds_engine' not in repr(deepspeed.initialize.__module__) else 1)"
+    env = {**os.environ, "DS_ACCELERATOR": "cuda"}
+    return (
+        subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+    )
+
+
+def _table(rows: list[dict[str, Any] | str], settings: list[str], systems: list[str]) -> str:
+    lines = [
+        "| setting | system | params | tokens/s | step (s) | peak alloc (GiB) | loss first -> last |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    it = iter(rows)
+    for setting in settings:
+        for system in systems:
+            row = next(it)
+            if isinstance(row, str):
+                lines.append(f"| {setting} | {system} | | {row} | | | |")
+                continue
+            lines.append(
+                f"| {setting} | {system} | {row['params'] / 1e6:.0f}M | {row['tokens_per_s']:.0f} | "
+                f"{row['step_s']:.3f} | {row['peak_gib']:.2f} | "
+                f"{row['first_loss']:.3f} -> {row['last_loss']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=1000, help="model size, millions")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=1025)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--adam-millions", type=float, default=256.0)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", default="ds", help=argparse.SUPPRESS)
+    parser.add_argument("--setting", default="zero2", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args)), flush=True)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tools/bench/gpu.py: no CUDA device here; nothing measured")
+        return 0
+    systems = ["ds"] + (["deepspeed"] if _real_deepspeed_present() else [])
+    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; systems: {systems}")
+    rows = [_run(args, system, s) for s in args.settings for system in systems]
+    print(_table(rows, args.settings, systems))
+    print("\n| optimizer | ms/step | effective GB/s |\n|---|---|---|")
+    for row in _adam_bench(args.adam_millions, 20):
+        print(f"| {row['optimizer']} | {row['ms']:.2f} | {row['gb_s']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
