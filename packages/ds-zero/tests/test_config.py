@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 
 import pytest
 
@@ -25,8 +27,11 @@ def test_defaults_are_deepspeeds() -> None:
     assert config.ignore_unused_parameters is True
     offload = config.offload_optimizer
     assert (offload.device, offload.nvme_path, offload.buffer_count) == ("none", None, 4)
-    assert (offload.pin_memory, offload.fast_init, offload.ratio) == (False, False, 1.0)
+    assert (offload.pin_memory, offload.fast_init, offload.ratio) == (True, False, 1.0)
     assert not offload.enabled
+    assert config.offload_param.pin_memory is True  # DeepSpeed pins offloaded memory by default
+    assert config.unimplemented["zero_hpz_partition_size"] == 1
+    assert config.unimplemented["compute_grad_norm"] is True
 
 
 @pytest.mark.parametrize(
@@ -97,11 +102,119 @@ def test_stage_3_parses() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("zero_quantized_gradients", True), ("mics_shard_size", 8)]
+    ("key", "value", "feature"),
+    [
+        ("zero_quantized_gradients", True, "ZeRO++ quantized gradients"),
+        ("mics_shard_size", 8, "MiCS"),
+        ("zero_hpz_partition_size", 8, "hpZ"),
+        ("stage3_model_persistence_threshold", 10, "persistence budget"),
+        ("zenflow", {"topk_ratio": 0.1}, "ZenFlow"),
+        ("compute_grad_norm", False, "gradient norm"),
+        ("stage3_allgather_sequential", True, "sequential"),
+    ],
 )
-def test_zeropp_and_mics_keys_are_rejected_unless_at_their_default(key: str, value) -> None:
-    with pytest.raises(ConfigError, match=f"{key}.*not supported yet.*default"):
+def test_unimplemented_keys_are_refused_only_when_requested(key: str, value, feature: str) -> None:
+    with pytest.raises(
+        ConfigError, match=f"{key}.*asks for.*{re.escape(feature)}.*not implemented in ds"
+    ):
         ZeroConfig.from_dict({"stage": 2, key: value})
+
+
+def test_every_deepspeed_zero_key_at_its_default_is_accepted() -> None:
+    """DeepSpeed 0.19's DeepSpeedZeroConfig keys (and aliases), each at its default."""
+    section = {
+        "stage": 3,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 5e8,
+        "use_multi_rank_bucket_allreduce": True,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 5e8,
+        "overlap_comm": True,
+        "compute_grad_norm": True,
+        "load_from_fp32_weights": True,
+        "elastic_checkpoint": False,
+        "offload_param": None,
+        "offload_optimizer": None,
+        "zenflow": None,
+        "sub_group_size": 1e9,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_model_persistence_threshold": sys.maxsize,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": False,
+        "stage3_module_granularity_threshold": 0,
+        "stage3_use_all_reduce_for_fetch_params": False,
+        "stage3_allgather_sequential": False,
+        "ignore_unused_parameters": True,
+        "legacy_stage1": False,
+        "round_robin_gradients": False,
+        "parameter_alignment": False,
+        "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False,
+        "memory_efficient_linear": True,
+        "pipeline_loading_checkpoint": False,
+        "override_module_apply": True,
+        "log_trace_cache_warnings": False,
+        "enable_sanity_checks": False,
+        "save_muon_momentum_buffer_in_memory": False,
+        "leaf_module": None,
+        "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False,
+        "zeropp_loco_param": None,
+    }
+    config = ZeroConfig.from_dict(section)
+    assert config.stage == 3 and config.stage3_param_persistence_threshold == 100_000
+    offload = {
+        "device": "cpu",
+        "nvme_path": None,
+        "buffer_count": 4,
+        "pin_memory": True,
+        "pipeline_read": False,
+        "pipeline_write": False,
+        "fast_init": False,
+        "ratio": 1.0,
+        "super_offload": False,
+        "cpuadam_cores_perc": 0.8,
+    }
+    assert ZeroConfig.from_dict(
+        {"stage": 2, "offload_optimizer": offload}
+    ).offload_optimizer.enabled
+    with pytest.raises(ConfigError, match="super_offload = true asks for SuperOffload"):
+        ZeroConfig.from_dict({"stage": 2, "offload_optimizer": {**offload, "super_offload": True}})
+
+
+def test_auto_is_deepspeeds_default() -> None:
+    """Hugging Face writes "auto" and resolves it later; DeepSpeed's models drop it."""
+    section = {
+        "stage": 3,
+        "overlap_comm": "auto",
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": "auto",
+        "stage3_max_reuse_distance": "auto",
+        "stage3_gather_16bit_weights_on_model_save": "auto",
+        "sub_group_size": "auto",
+        "offload_optimizer": {"device": "cpu", "pin_memory": "auto"},
+        "zero_hpz_partition_size": "auto",
+    }
+    config = ZeroConfig.from_dict(section)
+    assert config == ZeroConfig(stage=3, offload_optimizer=OffloadOptimizerConfig(device="cpu"))
+    assert config.stage3_param_persistence_threshold == 100_000
+    assert config.reduce_bucket_size == 500_000_000
+    assert config.stage3_prefetch_bucket_size == 50_000_000
+    assert config.overlap_comm is True
+
+
+def test_misspelled_keys_in_offload_and_aliases_get_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'stage3_param_persistence_threshold'"):
+        ZeroConfig.from_dict({"stage": 3, "stage3_param_persistance_threshold": 10})
+    with pytest.raises(ConfigError, match="did you mean 'pin_memory'"):
+        ZeroConfig.from_dict({"stage": 3, "offload_param": {"pin_memroy": True}})
 
 
 def test_offload_param_needs_stage_3() -> None:
@@ -120,10 +233,20 @@ def test_offload_section_that_is_not_a_mapping_names_the_key(key: str) -> None:
         ZeroConfig.from_dict({"stage": 3, key: "cpu"})
 
 
-def test_deprecated_keys_name_their_replacement() -> None:
-    with pytest.raises(ConfigError, match=r"cpu_offload is deprecated.*offload_optimizer"):
-        ZeroConfig.from_dict({"stage": 2, "cpu_offload": True})
-    assert ZeroConfig.from_dict({"stage": 2, "cpu_offload": False}).stage == 2
+def test_deprecated_keys_are_translated_as_deepspeed_does() -> None:
+    on = ZeroConfig.from_dict({"stage": 2, "cpu_offload": True})
+    assert on.offload_optimizer.device == "cpu"
+    assert (
+        ZeroConfig.from_dict({"stage": 2, "cpu_offload": False}).offload_optimizer.device == "none"
+    )
+    three = ZeroConfig.from_dict({"stage": 3, "cpu_offload_param": True})
+    assert three.offload_param.device == "cpu"
+    with pytest.raises(ConfigError, match=r"cpu_offload = true.*offload_optimizer.device"):
+        ZeroConfig.from_dict(
+            {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "none"}}
+        )
+    with pytest.raises(ConfigError, match="cpu_offload = 'yes'"):
+        ZeroConfig.from_dict({"stage": 2, "cpu_offload": "yes"})
 
 
 def test_direct_construction_validates_too() -> None:

@@ -1,14 +1,13 @@
 """Public types of ds-zero: the ``zero_optimization`` config section, memory reports, protocols.
 
-[Note: config keys ds-zero does not implement]
 ``ZeroConfig.from_dict`` reads DeepSpeed's whole ``zero_optimization`` section. The stage 3 keys
 (``offload_param``, ``sub_group_size``, ``stage3_prefetch_bucket_size``, ...) are fields of
 :class:`ZeroConfig`, read under their DeepSpeed names and aliases (``prefetch_bucket_size``, ...);
-stages 0-2 ignore them. Keys for ZeRO++, MiCS and the rarer stage 3 knobs are recognised: left at
-their DeepSpeed default they configure nothing and are accepted (real configs carry them), any
-other value is a ``ConfigError`` saying the feature is not supported yet. Deprecated keys
-(``cpu_offload``, ...) are errors that name their replacement. Anything else unknown is an error
-with the closest known key.
+stages 0-2 ignore them. Keys for ZeRO++, MiCS, ZenFlow and the rarer stage 3 knobs are one table
+(see [Note: zero keys refused only when requested]). Deprecated keys (``cpu_offload``, ...) are
+translated into the offload sections they stand for, as DeepSpeed does. ``"auto"`` (Hugging
+Face's placeholder) is a key's default. Anything else unknown is an error with the closest known
+key.
 """
 
 from __future__ import annotations
@@ -46,32 +45,48 @@ _ALIASES: dict[str, str] = {
     "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }
 
-# Recognised keys that only matter for ZeRO++, MiCS or rare stage 3 knobs, with DeepSpeed's
-# defaults.
-_NOT_YET_SUPPORTED: dict[str, Any] = {
-    "stage3_model_persistence_threshold": sys.maxsize,
-    "model_persistence_threshold": sys.maxsize,
-    "stage3_module_granularity_threshold": 0,
-    "module_granularity_threshold": 0,
-    "stage3_use_all_reduce_for_fetch_params": False,
-    "use_all_reduce_for_fetch_params": False,
-    "memory_efficient_linear": True,
-    "override_module_apply": True,
-    "pipeline_loading_checkpoint": False,
-    "zero_hpz_partition_size": 1,
-    "zero_quantized_weights": False,
-    "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False,
-    "zeropp_loco_param": None,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
-    "legacy_stage1": False,
-    "log_trace_cache_warnings": False,
+# [Note: zero keys refused only when requested]
+# DeepSpeed's zero_optimization keys for features ds does not implement, under their canonical
+# names, with DeepSpeed's default and the feature. A value equal to the default (or "auto")
+# configures nothing and is accepted and kept in ZeroConfig.unimplemented (the engine's
+# accessors read it there); any other value asks for the feature and is a ConfigError.
+_REFUSED_WHEN_REQUESTED: dict[str, tuple[Any, str]] = {
+    "model_persistence_threshold": (sys.maxsize, "a whole-model persistence budget"),
+    "module_granularity_threshold": (0, "leaf-module granularity fetching"),
+    "use_all_reduce_for_fetch_params": (False, "all-reduce parameter fetches"),
+    "allgather_sequential": (False, "sequential parameter all-gathers"),
+    "memory_efficient_linear": (True, "turning off the memory-efficient linear"),
+    "override_module_apply": (True, "not overriding Module.apply"),
+    "pipeline_loading_checkpoint": (False, "pipelined checkpoint loading"),
+    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning (hpZ)"),
+    "zero_quantized_weights": (False, "ZeRO++ quantized weights (qwZ)"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights"),
+    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients (qgZ)"),
+    "zeropp_loco_param": (None, "LoCo-ZeRO++"),
+    "mics_shard_size": (-1, "MiCS sharding"),
+    "mics_hierarchical_params_gather": (False, "MiCS hierarchical gathers"),
+    "legacy_stage1": (False, "the legacy stage 1 implementation"),
+    "log_trace_cache_warnings": (False, "trace-cache warnings"),
+    "compute_grad_norm": (True, "skipping the gradient norm"),
+    "parameter_alignment": (False, "parameter alignment padding"),
+    "enable_sanity_checks": (False, "ZeRO-3 sanity checks"),
+    "save_muon_momentum_buffer_in_memory": (False, "the Muon optimizer's NVMe options"),
+    "zenflow": (None, "ZenFlow"),
+    "leaf_module": (None, "leaf modules"),
 }
-_DEPRECATED = {
-    "cpu_offload": 'offload_optimizer: {"device": "cpu"}',
-    "cpu_offload_param": 'offload_param: {"device": "cpu"} (stage 3)',
-    "cpu_offload_use_pin_memory": 'offload_optimizer: {"pin_memory": true}',
+_ALIASES.update(
+    {
+        "stage3_model_persistence_threshold": "model_persistence_threshold",
+        "stage3_module_granularity_threshold": "module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+        "stage3_allgather_sequential": "allgather_sequential",
+    }
+)
+# Deprecated keys DeepSpeed still translates: key -> (target offload section, setting).
+_DEPRECATED: dict[str, tuple[tuple[str, ...], str, Any]] = {
+    "cpu_offload": (("offload_optimizer",), "device", "cpu"),
+    "cpu_offload_param": (("offload_param",), "device", "cpu"),
+    "cpu_offload_use_pin_memory": (("offload_optimizer", "offload_param"), "pin_memory", True),
 }
 
 
@@ -150,16 +165,21 @@ class OffloadOptimizerConfig(_OffloadTarget):
         pipeline_write: overlap writing the previous tile with the step; recorded.
         fast_init: skip the initial swap-out of zero state (nvme).
         ratio: fraction of optimizer state offloaded; below 1.0 is stage 3 only in DeepSpeed.
+        super_offload: DeepSpeed's SuperOffload (GH200-style); not implemented (false only).
+        cpuadam_cores_perc: share of cores SuperOffload's CPU Adam uses; only DeepSpeed's
+            default 0.8 (it configures SuperOffload).
     """
 
     device: str = "none"
     nvme_path: str | None = None
     buffer_count: int = 4
-    pin_memory: bool = False
+    pin_memory: bool = True
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = 1.0
+    super_offload: bool = False
+    cpuadam_cores_perc: float = 0.8
 
     _KEY = "offload_optimizer"
 
@@ -179,6 +199,16 @@ class OffloadOptimizerConfig(_OffloadTarget):
                 "supported yet); use 1.0"
             )
         object.__setattr__(self, "ratio", float(ratio))
+        if _bool(f"{where}.super_offload", self.super_offload):
+            raise ConfigError(
+                f"{where}.super_offload = true asks for SuperOffload, which is not implemented "
+                "in ds; set it to false (ZeRO-Offload to the CPU works)"
+            )
+        if self.cpuadam_cores_perc != 0.8 or isinstance(self.cpuadam_cores_perc, bool):
+            raise ConfigError(
+                f"{where}.cpuadam_cores_perc = {self.cpuadam_cores_perc!r} configures "
+                "SuperOffload, which is not implemented in ds; remove it (default 0.8)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +227,7 @@ class OffloadParamConfig(_OffloadTarget):
     """
 
     device: str = "none"
-    pin_memory: bool = False
+    pin_memory: bool = True
     nvme_path: str | None = None
     buffer_count: int = 5
     buffer_size: int = 100_000_000
@@ -260,6 +290,8 @@ class ZeroConfig:
         sub_group_size: stage 3: elements of fp32 master weights per optimizer sub-group (whole
             parameters are grouped until it is exceeded).
         offload_param: stage 3: see :class:`OffloadParamConfig`.
+        unimplemented: the keys of features ds does not implement, at DeepSpeed's defaults
+            (the only values accepted): ``unimplemented["zero_hpz_partition_size"]`` is 1.
     """
 
     stage: int = 0
@@ -282,6 +314,10 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     sub_group_size: int = 1_000_000_000
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    unimplemented: Mapping[str, Any] = field(
+        default_factory=lambda: {k: d for k, (d, _) in _REFUSED_WHEN_REQUESTED.items()},
+        compare=False,
+    )
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -330,6 +366,17 @@ class ZeroConfig:
         return section
 
     @property
+    def offload_optimizer_if_enabled(self) -> OffloadOptimizerConfig | None:
+        """``offload_optimizer`` when it offloads, else None (DeepSpeed's
+        ``zero_offload_optimizer()``, which user code tests for truth)."""
+        return self.offload_optimizer if self.offload_optimizer.enabled else None
+
+    @property
+    def offload_param_if_enabled(self) -> OffloadParamConfig | None:
+        """``offload_param`` when it offloads, else None (``zero_offload_param()``)."""
+        return self.offload_param if self.offload_param.enabled else None
+
+    @property
     def shard_optimizer_state(self) -> bool:
         """Each rank keeps fp32 master weights and optimizer state only for its partition."""
         return self.stage >= 1
@@ -346,19 +393,21 @@ class ZeroConfig:
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> ZeroConfig:
-        """Build from the JSON ``zero_optimization`` section (see [Note: config keys ds-zero
-        does not implement]).
+        """Build from the JSON ``zero_optimization`` section (see [Note: zero keys refused only
+        when requested]). ``"auto"`` stands for a key's default, as in DeepSpeed's models.
 
         Example:
             >>> ZeroConfig.from_dict({"stage": 2, "overlap_comm": True}).shard_gradients
             True
         """
-        section = dict(section or {})
-        own = {f.name for f in fields(cls)}
-        known = own | set(_ALIASES) | set(_NOT_YET_SUPPORTED) | set(_DEPRECATED)
+        section = _without_auto(section)
+        own = {f.name for f in fields(cls)} - {"unimplemented"}
+        known = own | set(_ALIASES) | set(_REFUSED_WHEN_REQUESTED) | set(_DEPRECATED)
         _check_keys(_SECTION, section, known)
+        given_as: dict[str, str] = {}
         for key, value in list(section.items()):
             if key in _ALIASES:
+                given_as[_ALIASES[key]] = key
                 name = _ALIASES[key]
                 if name in section and section[name] != value:
                     raise ConfigError(
@@ -366,31 +415,60 @@ class ZeroConfig:
                         f"{section[name]!r}; give only one of them"
                     )
                 section[name] = section.pop(key)
-                continue
-            if key in _DEPRECATED:
-                if value in (None, False):
-                    del section[key]
-                    continue
+        _translate_deprecated(section)
+        unimplemented = {}
+        for key, (default, feature) in _REFUSED_WHEN_REQUESTED.items():
+            value = section.pop(key, default)
+            if not _is_default(value, default):
                 raise ConfigError(
-                    f"{_SECTION}.{key} is deprecated (DeepSpeed too); write {_DEPRECATED[key]}"
+                    f"{_SECTION}.{given_as.get(key, key)} = {value!r} asks for {feature}, which "
+                    "is not implemented "
+                    f"in ds; remove it or leave it at DeepSpeed's default {default!r}"
                 )
-            if key in _NOT_YET_SUPPORTED:
-                _check_not_yet_supported(key, value)
-                del section[key]
-        return cls(**section)
+            unimplemented[key] = default
+        return cls(**section, unimplemented=unimplemented)
 
 
-def _check_not_yet_supported(key: str, value: Any) -> None:
-    default = _NOT_YET_SUPPORTED[key]
+def _without_auto(section: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of a section without its ``"auto"`` values (DeepSpeed's models drop them, so the
+    key takes its default); nested offload sections too."""
+    if section is not None and not isinstance(section, Mapping):
+        raise ConfigError(f"{_SECTION} = {section!r}: expected a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in (section or {}).items():
+        if isinstance(value, str) and value == "auto":
+            continue
+        out[key] = _without_auto(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def _translate_deprecated(section: dict[str, Any]) -> None:
+    """DeepSpeed's deprecated ``cpu_offload*`` keys, written into the offload sections they
+    stand for (true only; false and null mean nothing)."""
+    for key, (targets, name, setting) in _DEPRECATED.items():
+        if key not in section:
+            continue
+        value = section.pop(key)
+        if value is None or not _bool(f"{_SECTION}.{key}", value):
+            continue
+        for target in targets:
+            current = section.get(target)
+            current = dict(current) if isinstance(current, Mapping) else {}
+            if name in current and current[name] != setting:
+                raise ConfigError(
+                    f"{_SECTION}.{key} = true (deprecated) means {target}.{name} = {setting!r}, "
+                    f"but {target}.{name} = {current[name]!r}; remove {key}"
+                )
+            if target == "offload_param" and name == "pin_memory" and not current:
+                continue  # pin memory applies only to an offload section that exists
+            current[name] = setting
+            section[target] = current
+
+
+def _is_default(value: Any, default: Any) -> bool:
     if isinstance(default, bool) or default is None:
-        is_default = value is default
-    else:
-        is_default = not isinstance(value, bool) and value == default
-    if not is_default:
-        raise ConfigError(
-            f"{_SECTION}.{key} = {value!r}: a ZeRO stage 3 / ZeRO++ / MiCS key, not supported "
-            f"yet (stages 0-2 only); remove it or leave it at DeepSpeed's default {default!r}"
-        )
+        return value is default
+    return not isinstance(value, bool) and value == default
 
 
 @dataclass(frozen=True, kw_only=True)
