@@ -47,6 +47,7 @@ class OptimizerConfig:
 
     type: str
     params: Mapping[str, Any] = field(default_factory=dict)
+    legacy_fusion: bool = False
 
     def __post_init__(self) -> None:
         # The optimizers' signatures are the source of truth for their parameter names.
@@ -55,16 +56,55 @@ class OptimizerConfig:
         canonical, params = check_optimizer_section(self.type, self.params)
         object.__setattr__(self, "type", canonical)
         object.__setattr__(self, "params", params)
+        _check_bools("optimizer", self, ("legacy_fusion",))
+        if self.legacy_fusion:
+            raise ConfigError(
+                "optimizer.legacy_fusion = true asks for DeepSpeed's legacy fused fp16 optimizer, "
+                "which is not implemented in ds; remove it (false)"
+            )
+
+    def resolved_params(self) -> dict[str, Any]:
+        """``params`` for building the optimizer; a value still ``"auto"`` is an error.
+
+        Raises:
+            ConfigError: naming every ``"auto"`` left (see :func:`unresolved_auto`).
+        """
+        return _resolved("optimizer", self.params)
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> OptimizerConfig:
-        """Build from the JSON ``optimizer`` section."""
-        values = _known_keys("optimizer", section, ("type", "params"))
+        """Build from the JSON ``optimizer`` section (``params`` values may be ``"auto"``
+        until the optimizer is built, as Hugging Face clients fill them in)."""
+        values = _known_keys("optimizer", section, ("type", "params", "legacy_fusion"))
         if "type" not in values:
             raise ConfigError('optimizer.type is missing: name an optimizer, e.g. "AdamW"')
         if values.get("params") is None:
             values["params"] = {}
         return cls(**values)
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _resolved(section_name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``params``; ConfigError naming the keys whose value is still ``"auto"``."""
+    left = [k for k, v in params.items() if _is_auto(v)]
+    if left:
+        keys = ", ".join(f"{section_name}.params.{k}" for k in left)
+        raise ConfigError(
+            f'{keys} = "auto": a placeholder that Hugging Face transformers/accelerate replace '
+            "before deepspeed.initialize; it reached the optimizer unresolved. Set a value, or "
+            "let the client fill it in (e.g. Trainer with TrainingArguments(deepspeed=...))"
+        )
+    return dict(params)
+
+
+def _without_auto(section: Any) -> Any:
+    """A section's ``"auto"`` values dropped (DeepSpeed's config models treat it as unset)."""
+    if not isinstance(section, Mapping):
+        return section
+    return {k: v for k, v in section.items() if not _is_auto(v)}
 
 
 # --- scheduler section (LR schedules) ---
@@ -132,6 +172,10 @@ class SchedulerConfig:
         object.__setattr__(self, "type", canonical)
         object.__setattr__(self, "params", params)
 
+    def resolved_params(self) -> dict[str, Any]:
+        """``params`` for building the schedule; a value still ``"auto"`` is an error."""
+        return _resolved("scheduler", self.params)
+
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> SchedulerConfig:
         """Build from the JSON ``scheduler`` section."""
@@ -161,6 +205,25 @@ class LRRangeTestMarks:
 
 # --- mixed precision (fp16 / loss scaling) ---
 
+# Switches of DeepSpeed's precision sections for features ds does not implement: false (their
+# default here) asks for nothing; true is refused, naming the feature.
+_FP16_NOT_IMPLEMENTED = {"fp16_master_weights_and_grads": "fp16 master weights and gradients"}
+_BF16_NOT_IMPLEMENTED = {
+    "immediate_grad_update": "immediate gradient updates of the master weights",
+    "check_grad_overflow": "bf16 gradient overflow checks (skipped steps)",
+    "bf16_master_weights_and_grads": "bf16 master weights and gradients",
+    "bf16_optimizer_states": "bf16 optimizer states",
+}
+
+
+def _refuse_when_true(section_name: str, config: Any, table: Mapping[str, str]) -> None:
+    for name, feature in table.items():
+        if getattr(config, name):
+            raise ConfigError(
+                f"{section_name}.{name} = true asks for {feature}, which is not implemented in "
+                "ds; set it to false or remove it"
+            )
+
 
 class LossScaleAtMinimumError(RuntimeError):
     """Gradients overflowed with the dynamic loss scale already at ``min_loss_scale``."""
@@ -180,8 +243,8 @@ class FP16Config:
         consecutive_hysteresis: refill the hysteresis after every overflow-free step, not
             only when the scale doubles.
         min_loss_scale: the floor of the dynamic scale.
-        fp16_master_weights_and_grads: keep master weights and grads in fp16 (used by ds-zero
-            with CPU Adam).
+        fp16_master_weights_and_grads: fp16 master weights and grads (DeepSpeed: with CPU
+            Adam); not implemented in ds (true is refused).
     """
 
     enabled: bool = False
@@ -197,6 +260,7 @@ class FP16Config:
     def __post_init__(self) -> None:
         bools = ("enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads")
         _check_bools("fp16", self, bools)
+        _refuse_when_true("fp16", self, _FP16_NOT_IMPLEMENTED)
         loss_scale = _check_number("fp16.loss_scale", self.loss_scale, minimum=0.0)
         object.__setattr__(self, "loss_scale", loss_scale)
         # The scale must stay finite in fp32 (2**127 is its largest power of two).
@@ -215,8 +279,11 @@ class FP16Config:
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> FP16Config:
-        """Build from the JSON ``fp16`` section; unknown keys are errors with a suggestion."""
-        return cls(**_known_keys("fp16", section, tuple(f.name for f in fields(cls))))
+        """Build from the JSON ``fp16`` section; unknown keys are errors with a suggestion and
+        ``"auto"`` is a key's default (``"enabled": "auto"`` is off, as in DeepSpeed)."""
+        return cls(
+            **_known_keys("fp16", _without_auto(section), tuple(f.name for f in fields(cls)))
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,12 +292,15 @@ class BF16Config:
 
     Attributes:
         enabled: train in bf16.
-        immediate_grad_update: apply each gradient to the fp32 master copy as it is reduced
-            (ds-zero).
-        check_grad_overflow: check bf16 gradients for inf/nan and skip such steps.
-        bf16_master_weights_and_grads: keep master weights and grads in bf16 (ds-zero).
+        immediate_grad_update: apply each gradient to the fp32 master copy as it is reduced.
+        check_grad_overflow: check bf16 gradients for inf/nan and skip such steps (DeepSpeed
+            0.19 defaults it to true; ds steps without the check, so its default is false).
+        bf16_master_weights_and_grads: keep master weights and grads in bf16.
         bf16_optimizer_states: keep optimizer states in bf16 too; needs
             ``bf16_master_weights_and_grads``.
+
+    ds keeps fp32 master weights and does not implement the four switches above: true is
+    refused (see :data:`_BF16_NOT_IMPLEMENTED`).
     """
 
     enabled: bool = False
@@ -246,8 +316,12 @@ class BF16Config:
                 "bf16.bf16_optimizer_states = true needs bf16.bf16_master_weights_and_grads = "
                 "true; set both or neither"
             )
+        _refuse_when_true("bf16", self, _BF16_NOT_IMPLEMENTED)
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> BF16Config:
-        """Build from the JSON ``bf16`` section; unknown keys are errors with a suggestion."""
-        return cls(**_known_keys("bf16", section, tuple(f.name for f in fields(cls))))
+        """Build from the JSON ``bf16`` section; unknown keys are errors with a suggestion and
+        ``"auto"`` is a key's default."""
+        return cls(
+            **_known_keys("bf16", _without_auto(section), tuple(f.name for f in fields(cls)))
+        )
