@@ -3,9 +3,21 @@
 [Note: one config, many owners]
 Each section is parsed by the package that implements it (``ds_zero.ZeroConfig``,
 ``ds_optim.OptimizerConfig``/``SchedulerConfig``/``FP16Config``/``BF16Config``,
-``ds_comm.CommsLoggerConfig``); this module owns only the top-level keys (batch sizes,
-clipping, logging) and the batch-size triad, which needs the data-parallel world size. Unknown
-top-level keys are errors with the closest known key (DeepSpeed silently ignores them).
+``ds_comm.CommsLoggerConfig``); this module owns the top-level keys (batch sizes, clipping,
+logging, ``checkpoint``, ``data_types``) and the batch-size triad, which needs the data-parallel
+world size. Keys for DeepSpeed features ds does not implement are one table
+(``_config_features.NOT_IMPLEMENTED``), accepted while they ask for nothing and refused when
+they ask for the feature (see [Note: refused only when requested]). Unknown top-level keys are
+errors with the closest known key (DeepSpeed silently ignores them).
+
+``"auto"`` (the placeholder Hugging Face transformers and accelerate write, then resolve) stands
+for DeepSpeed's default wherever a value has one: every section key, ``gradient_clipping``,
+``steps_per_print``; a batch key left ``"auto"`` counts as not given. ``optimizer.params`` and
+``scheduler.params`` keep it until the optimizer is built (``OptimizerConfig.resolved_params``).
+
+A parsed config is also a read-only mapping over the user's dict, as DeepSpeed's
+``engine.config`` is: ``cfg.zero_optimization.stage`` and ``cfg.get("zero_optimization")`` both
+work.
 
 The ``aio`` section belongs to ds-offload-aio, an optional dependency (extra ``nvme``): it is
 parsed into ``ds_offload_aio.AioConfig`` when that package is installed and kept as the plain
@@ -15,21 +27,32 @@ mapping otherwise; ``offload_optimizer.device = "nvme"`` without it is an Import
 
 from __future__ import annotations
 
+import copy
 import difflib
-import json
 import math
-import os
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from pathlib import Path
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from ds_comm import CommsLoggerConfig, ConfigError
+from ds_engine._config_features import NOT_IMPLEMENTED, FeatureSettings, is_auto
+from ds_engine._config_load import load_config_dict
+from ds_engine._config_sections import CheckpointConfig, DataTypesConfig
+from ds_engine._config_triad import batch_key, check_triad, complete_triad
 from ds_engine._optional import require
 from ds_optim import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig
 from ds_zero import ZeroConfig
 
-__all__ = ["ConfigError", "DeepSpeedConfig", "config_json_schema", "load_config_dict"]
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataTypesConfig",
+    "DeepSpeedConfig",
+    "config_json_schema",
+    "load_config_dict",
+]
 
 _SECTIONS: dict[str, Any] = {
     "optimizer": OptimizerConfig,
@@ -38,23 +61,20 @@ _SECTIONS: dict[str, Any] = {
     "bf16": BF16Config,
     "zero_optimization": ZeroConfig,
     "comms_logger": CommsLoggerConfig,
+    "checkpoint": CheckpointConfig,
+    "data_types": DataTypesConfig,
 }
 # DeepSpeed accepts "bfloat16" as an alias of "bf16".
 _ALIASES = {"bfloat16": "bf16"}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _COMM_DTYPES = (None, "fp32", "fp16", "bf16")
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_INTERNAL = ("dp_world_size", "unimplemented", "user_config")
 
 
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key} = {value!r}: expected true or false")
-    return value
-
-
-def _positive_int(key: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} = {value!r}: expected a positive integer")
     return value
 
 
@@ -65,11 +85,26 @@ def _number(key: str, value: Any, *, minimum: float) -> float:
     return float(value)
 
 
+def _steps_per_print(value: Any) -> int | float:
+    """A positive integer, or infinity (never print: what accelerate always sets)."""
+    if isinstance(value, float) and math.isinf(value) and value > 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"steps_per_print = {value!r}: expected a positive integer, or Infinity to never print"
+        )
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
-class DeepSpeedConfig:
+class DeepSpeedConfig(Mapping[str, Any]):
     """The whole DeepSpeed JSON config, resolved for a data-parallel world size.
 
-    Build it with :meth:`from_dict`; the batch-size triad is complete afterwards.
+    Build it with :meth:`from_dict`; the batch-size triad is complete afterwards. It is also a
+    read-only mapping over the user's config dict (``cfg["fp16"]``, ``cfg.get(...)``, ``in``,
+    iteration), as DeepSpeed's ``engine.config`` is.
 
     Attributes:
         train_batch_size: samples per optimizer step over all data-parallel ranks.
@@ -82,8 +117,10 @@ class DeepSpeedConfig:
         bf16: the ``bf16`` section (bf16 weights, fp32 masters).
         zero_optimization: the ZeRO section (stage 0 is plain data parallelism).
         comms_logger: the ``comms_logger`` section.
+        checkpoint: the ``checkpoint`` section (tag validation, node-local storage).
+        data_types: the ``data_types`` section (buffer dtype, fp32-kept modules).
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
-        steps_per_print: print a progress line every this many optimizer steps.
+        steps_per_print: print a progress line every this many optimizer steps (``inf``: never).
         wall_clock_breakdown: time forward, backward and step and print them.
         prescale_gradients: divide gradients by the data-parallel size before the reduction
             (``gradient_predivide_factor`` is then ignored, as in DeepSpeed).
@@ -93,10 +130,18 @@ class DeepSpeedConfig:
             run in (None: the gradients' dtype).
         zero_allow_untested_optimizer: accepted for compatibility (any elementwise optimizer
             works with ds-zero).
+        zero_force_ds_cpu_optimizer: with ZeRO-Offload, require ds's CPU optimizer (a client
+            optimizer is an error), DeepSpeed's default True.
         memory_breakdown: print :meth:`DeepSpeedEngine.memory_breakdown` with progress lines.
+        dataloader_drop_last: ``deepspeed_io`` loaders drop the last incomplete batch.
+        dump_state: print the engine's resolved configuration at start-up.
+        log_level: the ds logger's level (``"info"``, ...; None leaves it as it is).
         seed: seeds torch, random and the data loader's shuffling when set.
         aio: the ``aio`` section (``ds_offload_aio.AioConfig``; None: absent, DeepSpeed's
             defaults apply) used by ``offload_optimizer.device = "nvme"``.
+        unimplemented: every key of a feature ds does not implement, at its accepted (inert)
+            value merged over DeepSpeed's defaults: ``unimplemented.flops_profiler.enabled``.
+        user_config: the user's config dict, as given (what the mapping interface reads).
     """
 
     train_batch_size: int
@@ -109,24 +154,39 @@ class DeepSpeedConfig:
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
     gradient_clipping: float = 1.0
-    steps_per_print: int = 10
+    steps_per_print: int | float = 10
     wall_clock_breakdown: bool = False
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
     zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
     memory_breakdown: bool = False
+    dataloader_drop_last: bool = False
+    dump_state: bool = False
+    log_level: str | None = None
     seed: int | None = None
     aio: Any = None
+    unimplemented: FeatureSettings = field(default_factory=FeatureSettings, compare=False)
+    user_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("wall_clock_breakdown", "prescale_gradients", "memory_breakdown"):
+        for name in (
+            "wall_clock_breakdown",
+            "prescale_gradients",
+            "memory_breakdown",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "dataloader_drop_last",
+            "dump_state",
+        ):
             _bool(name, getattr(self, name))
-        _bool("zero_allow_untested_optimizer", self.zero_allow_untested_optimizer)
         clip = _number("gradient_clipping", self.gradient_clipping, minimum=0.0)
         object.__setattr__(self, "gradient_clipping", clip)
-        _positive_int("steps_per_print", self.steps_per_print)
+        object.__setattr__(self, "steps_per_print", _steps_per_print(self.steps_per_print))
         factor = _number("gradient_predivide_factor", self.gradient_predivide_factor, minimum=0)
         if factor == 0:
             raise ConfigError(
@@ -134,25 +194,25 @@ class DeepSpeedConfig:
                 "(1.0, the default, divides by the data-parallel size after the reduction)"
             )
         object.__setattr__(self, "gradient_predivide_factor", factor)
-        if self.communication_data_type not in _COMM_DTYPES:
-            raise ConfigError(
-                f"communication_data_type = {self.communication_data_type!r}: expected one of "
-                f"{list(_COMM_DTYPES)}"
-            )
+        self._check_names()
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(
                 "fp16.enabled = true and bf16.enabled = true: choose one mixed-precision mode"
             )
+        self._check_param_dtype()
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ConfigError(f"seed = {self.seed!r}: expected an integer")
-        _check_triad(
+        check_triad(
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,
             self.gradient_accumulation_steps,
             self.dp_world_size,
         )
+        if self.user_config is None:
+            triad = {k: getattr(self, k) for k in _BATCH_KEYS}
+            object.__setattr__(self, "user_config", triad)
         if self.zero_optimization.offload_optimizer.device == "nvme":
             aio = require(
                 "ds_offload_aio",
@@ -162,10 +222,60 @@ class DeepSpeedConfig:
             if not isinstance(self.aio, aio.AioConfig):
                 object.__setattr__(self, "aio", aio.AioConfig.from_dict(self.aio))
 
+    def _check_names(self) -> None:
+        """``communication_data_type`` and ``log_level`` against their allowed names."""
+        comm = self.communication_data_type
+        if isinstance(comm, str):
+            comm = comm.lower()
+            object.__setattr__(self, "communication_data_type", comm)
+        if comm not in _COMM_DTYPES:
+            raise ConfigError(
+                f"communication_data_type = {self.communication_data_type!r}: expected one of "
+                f"{list(_COMM_DTYPES)}"
+            )
+        level = self.log_level
+        if level is not None and (not isinstance(level, str) or level.lower() not in _LOG_LEVELS):
+            raise ConfigError(f"log_level = {level!r}: expected one of {list(_LOG_LEVELS)}")
+        if level is not None:
+            object.__setattr__(self, "log_level", level.lower())
+
+    def _check_param_dtype(self) -> None:
+        """``data_types.param_dtype`` must be the dtype fp16/bf16 imply (DeepSpeed's check)."""
+        requested = self.data_types.param_torch_dtype
+        if requested is not None and requested != self.model_dtype:
+            raise ConfigError(
+                f"data_types.param_dtype = {self.data_types.param_dtype!r} conflicts with the "
+                f"mixed-precision mode ({self.param_dtype_name}); set the fp16/bf16 'enabled' "
+                "flag to match or remove data_types.param_dtype"
+            )
+
+    # --- the mapping over the user's dict (DeepSpeed's engine.config) ---------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        assert self.user_config is not None
+        return self.user_config[key]
+
+    def __iter__(self) -> Iterator[str]:
+        assert self.user_config is not None
+        return iter(self.user_config)
+
+    def __len__(self) -> int:
+        assert self.user_config is not None
+        return len(self.user_config)
+
+    # --- derived values ---------------------------------------------------------------------
+
     @property
     def param_dtype_name(self) -> str:
         """``fp16``, ``bf16`` or ``fp32``: the dtype the engine gives the model's weights."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The torch dtype the engine gives the model's weights."""
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+            self.param_dtype_name, torch.float32
+        )
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], *, dp_world_size: int = 1) -> DeepSpeedConfig:
@@ -176,22 +286,22 @@ class DeepSpeedConfig:
 
         Raises:
             ConfigError: an unknown key (with the closest known one), a bad value (naming the
-                key path and value) or an inconsistent batch-size triad.
+                key path and value), a feature ds does not implement asked for, or an
+                inconsistent batch-size triad.
 
         Example:
             >>> cfg = DeepSpeedConfig.from_dict({"train_batch_size": 32}, dp_world_size=2)
-            >>> cfg.train_micro_batch_size_per_gpu
-            16
+            >>> cfg.train_micro_batch_size_per_gpu, cfg.get("train_batch_size")
+            (16, 32)
         """
         if not isinstance(config, Mapping):
             raise ConfigError(f"config = {config!r}: expected a JSON object (a mapping)")
-        values = {_ALIASES.get(k, k): v for k, v in config.items()}
-        known = sorted({f.name for f in fields(cls)} - {"dp_world_size"} | set(_ALIASES))
-        for key in values:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
-                raise ConfigError(f"{key} is not a known config key; {hint}")
+        user = copy.deepcopy(dict(config))
+        values = _canonical_keys(config)
+        features = FeatureSettings({k: values.pop(k) for k in list(values) if k in NOT_IMPLEMENTED})
+        for key in list(values):
+            if key not in _SECTIONS and key not in _BATCH_KEYS and is_auto(values[key]):
+                del values[key]  # "auto" left unresolved: DeepSpeed's default
         zero = values.get("zero_optimization")
         if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
             values["zero_optimization"] = {"stage": 1 if zero else 0}
@@ -206,23 +316,35 @@ class DeepSpeedConfig:
                 )
         if "aio" in values:
             values["aio"] = _aio_section(values["aio"])
-        train, micro, gas = _complete_triad(
-            _positive_int("train_batch_size", values.pop("train_batch_size", None)),
-            _positive_int(
-                "train_micro_batch_size_per_gpu", values.pop("train_micro_batch_size_per_gpu", None)
-            ),
-            _positive_int(
-                "gradient_accumulation_steps", values.pop("gradient_accumulation_steps", None)
-            ),
-            dp_world_size,
+        train, micro, gas = complete_triad(
+            *(batch_key(k, values.pop(k, None)) for k in _BATCH_KEYS), dp_world_size
         )
         return cls(
             train_batch_size=train,
             train_micro_batch_size_per_gpu=micro,
             gradient_accumulation_steps=gas,
             dp_world_size=dp_world_size,
+            unimplemented=features,
+            user_config=user,
             **values,
         )
+
+
+def _canonical_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's keys with aliases resolved; an unknown key is a did-you-mean error."""
+    known_fields = {f.name for f in fields(DeepSpeedConfig)} - set(_INTERNAL)
+    known = sorted(known_fields | set(_ALIASES) | set(NOT_IMPLEMENTED))
+    values: dict[str, Any] = {}
+    for key, value in config.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
+            raise ConfigError(f"{key} is not a known config key; {hint}")
+        name = _ALIASES.get(key, key)
+        if name in values:
+            raise ConfigError(f"{key} and {name} are the same section; give only one of them")
+        values[name] = value
+    return values
 
 
 def _aio_section(section: Any) -> Any:
@@ -238,132 +360,12 @@ def _aio_section(section: Any) -> Any:
     return ds_offload_aio.AioConfig.from_dict(section)
 
 
-def _equation(train: int, micro: int, gas: int, world: int) -> str:
-    return (
-        f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) x "
-        f"gradient_accumulation_steps ({gas}) x data-parallel size ({world}) = "
-        f"{micro * gas * world}"
-    )
-
-
-def _check_triad(train: int, micro: int, gas: int, world: int) -> None:
-    if train != micro * gas * world:
-        raise ConfigError(_equation(train, micro, gas, world))
-
-
-def _divide(train: int, by: int, what: str, world: int) -> int:
-    if train % by:
-        raise ConfigError(
-            f"train_batch_size = {train} is not divisible by {what} = {by} (data-parallel size "
-            f"{world}); change train_batch_size or the other batch keys"
-        )
-    return train // by
-
-
-def _complete_triad(
-    train: int | None, micro: int | None, gas: int | None, world: int
-) -> tuple[int, int, int]:
-    """DeepSpeed's rules: any two give the third; one of train/micro alone means gas = 1."""
-    if train is not None and micro is not None and gas is not None:
-        _check_triad(train, micro, gas, world)
-        return train, micro, gas
-    if train is not None and micro is not None:
-        gas = _divide(train, micro * world, "micro batch x data-parallel size", world)
-    elif train is not None and gas is not None:
-        micro = _divide(
-            train, gas * world, "gradient_accumulation_steps x data-parallel size", world
-        )
-    elif micro is not None:
-        gas = gas or 1
-        train = micro * gas * world
-    elif train is not None:
-        gas = 1
-        micro = _divide(train, world, "the data-parallel size", world)
-    else:
-        raise ConfigError(
-            "train_batch_size and train_micro_batch_size_per_gpu are both missing: set at least "
-            'one, e.g. "train_micro_batch_size_per_gpu": 8'
-        )
-    if micro < 1 or gas < 1:  # a quotient of 0
-        _check_triad(train, micro, gas, world)
-    return train, micro, gas
-
-
-def load_config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
-    """A config as a dict: a mapping is copied, a path is read as JSON."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError(f"config = {str(config)!r}: no such JSON file")
-    try:
-        loaded = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"config file {str(path)!r}: expected a JSON object at the top level")
-    return loaded
-
-
-# --- JSON schema ---------------------------------------------------------------------------------
-
-_JSON_TYPES = {"bool": "boolean", "int": "integer", "float": "number", "str": "string"}
-
-
-def _field_schema(annotation: str, default: Any) -> dict[str, Any]:
-    parts = [p.strip() for p in str(annotation).split("|")]
-    types = sorted({_JSON_TYPES[p] for p in parts if p in _JSON_TYPES})
-    if "float" in parts and "integer" not in types:
-        types.append("integer")
-    if "None" in parts:
-        types.append("null")
-    if not types:
-        return {}
-    schema: dict[str, Any] = {"type": types[0] if len(types) == 1 else types}
-    if default is not MISSING and isinstance(default, (bool, int, float, str, type(None))):
-        schema["default"] = default
-    return schema
-
-
-def _dataclass_schema(cls: Any) -> dict[str, Any]:
-    properties: dict[str, Any] = {}
-    for f in fields(cls):
-        nested = f.default_factory if f.default_factory is not MISSING else None
-        if nested is not None and is_dataclass(nested):
-            properties[f.name] = _dataclass_schema(nested)
-        elif f.name in ("type", "params"):
-            kind = "string" if f.name == "type" else "object"
-            properties[f.name] = {"type": kind}
-        else:
-            properties[f.name] = _field_schema(f.type, f.default)
-    return {"type": "object", "properties": properties, "additionalProperties": False}
-
-
 def config_json_schema() -> dict[str, Any]:
     """A JSON schema (draft 2020-12) of the config file, for editors' completion and checks.
-
-    Sections with open-ended contents (``optimizer.params``, ``scheduler.params``) are objects;
-    their names are checked when the config is parsed.
 
     Example:
         >>> Path("ds_config.schema.json").write_text(json.dumps(config_json_schema(), indent=1))
     """
-    schema = _dataclass_schema(DeepSpeedConfig)
-    del schema["properties"]["dp_world_size"]
-    for name, section_cls in _SECTIONS.items():
-        schema["properties"][name] = _dataclass_schema(section_cls)
-    zero = schema["properties"]["zero_optimization"]
-    schema["properties"]["zero_optimization"] = {"anyOf": [zero, {"type": "boolean"}]}
-    schema["properties"]["bfloat16"] = schema["properties"]["bf16"]
-    try:
-        from ds_offload_aio import AioConfig
-    except ModuleNotFoundError:
-        schema["properties"]["aio"] = {"type": "object"}
-    else:
-        schema["properties"]["aio"] = _dataclass_schema(AioConfig)
-    schema["properties"]["train_batch_size"] = {"type": "integer", "minimum": 1}
-    schema["properties"]["train_micro_batch_size_per_gpu"] = {"type": "integer", "minimum": 1}
-    schema["properties"]["gradient_accumulation_steps"] = {"type": "integer", "minimum": 1}
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "ds / DeepSpeed config"
-    return schema
+    from ds_engine._config_schema import build_schema
+
+    return build_schema(DeepSpeedConfig, _SECTIONS)
