@@ -39,6 +39,8 @@ PATHS = [
     "runtime.fp16.loss_scaler",
     "ops",
     "ops.adam",
+    "ops.adam.cpu_adam",
+    "ops.adam.fused_adam",
     "ops.lamb",
     "ops.lion",
     "ops.adagrad",
@@ -53,6 +55,9 @@ PATHS = [
     "pipe",
     "moe",
     "moe.layer",
+    "moe.utils",
+    "moe.sharded_moe",
+    "moe.experts",
     "env_report",
 ]
 

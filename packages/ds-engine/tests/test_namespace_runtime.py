@@ -218,3 +218,19 @@ def test_activation_checkpointing_is_deepspeed_checkpointing() -> None:
     checkpointing = pytest.importorskip("ds_engine.checkpointing")
     alias = importlib.import_module("ds_engine.runtime.activation_checkpointing.checkpointing")
     assert alias is checkpointing
+
+
+def test_moe_and_adam_submodules_are_the_owners() -> None:
+    import ds_moe
+    from ds_engine.moe import experts, sharded_moe, utils
+    from ds_engine.ops.adam import cpu_adam, fused_adam
+
+    assert utils.is_moe_param is ds_moe.is_moe_param
+    assert (
+        utils.split_params_into_different_moe_groups_for_optimizer
+        is ds_moe.split_params_into_different_moe_groups_for_optimizer
+    )
+    assert sharded_moe.TopKGate is ds_moe.TopKGate and sharded_moe.MOELayer is ds_moe.MOELayer
+    assert experts.Experts is ds_moe.Experts
+    assert cpu_adam.DeepSpeedCPUAdam is ds_optim.CPUAdam
+    assert fused_adam.FusedAdam is ds_optim.FusedAdam
