@@ -234,3 +234,13 @@ def test_moe_and_adam_submodules_are_the_owners() -> None:
     assert experts.Experts is ds_moe.Experts
     assert cpu_adam.DeepSpeedCPUAdam is ds_optim.CPUAdam
     assert fused_adam.FusedAdam is ds_optim.FusedAdam
+
+
+def test_top_level_names_of_missing_features_refuse_when_called() -> None:
+    import ds_engine
+
+    with pytest.raises(NotImplementedError, match=r"deepspeed\.init_inference.*not implemented"):
+        ds_engine.init_inference(torch.nn.Linear(2, 2))
+    with pytest.raises(NotImplementedError, match="AutoTP"):
+        ds_engine.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
+    assert "init_inference" in dir(ds_engine)

@@ -57,6 +57,12 @@ _LAZY_NAMES = {
     "logger": "ds_engine.utils",
     "OnDevice": "ds_engine.utils",
 }
+# DeepSpeed's top-level names for features ds does not implement: callables that refuse.
+_NOT_IMPLEMENTED = {
+    "init_inference": "DeepSpeed-Inference (kernel injection, inference engine)",
+    "default_inference_config": "DeepSpeed-Inference (kernel injection, inference engine)",
+    "tp_model_init": "automatic tensor parallelism (AutoTP)",
+}
 
 __all__ = [
     # entry points
@@ -104,8 +110,12 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"ds_engine.{name}")
     if name in _LAZY_NAMES:
         return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    if name in _NOT_IMPLEMENTED:
+        from ds_engine._not_implemented import not_implemented
+
+        return not_implemented(f"deepspeed.{name}", _NOT_IMPLEMENTED[name])
     raise AttributeError(f"module 'ds_engine' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_SUBMODULES, *_LAZY_NAMES})
+    return sorted({*globals(), *_SUBMODULES, *_LAZY_NAMES, *_NOT_IMPLEMENTED})
