@@ -82,6 +82,9 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "shm", "alltoall", "direct", "ring", "allreduce-slice"),
     "reduce_scatter_tensor": ("native", "shm", "alltoall", "direct", "ring", "allreduce-slice"),
     "all_to_all_single": ("native", "direct"),
+    "all_to_all": ("native", "direct"),
+    "gather": ("native",),
+    "scatter": ("native",),
 }
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("native", "upcast"),
@@ -92,6 +95,9 @@ _FALLBACKS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "alltoall", "direct"),
     "reduce_scatter_tensor": ("native", "alltoall", "direct"),
     "all_to_all_single": ("native", "direct"),
+    "all_to_all": ("native", "direct"),
+    "gather": ("native",),
+    "scatter": ("native",),
 }
 FORCE_ENV = "DS_COMM_FORCE_ALGO"
 
@@ -714,8 +720,13 @@ def all_to_all_single(
     return _run("all_to_all_single", group, member, [output, input], input.nbytes, async_op, issue)
 
 
-def barrier(group: Any = None, async_op: bool = False) -> TrackedWork | None:
-    """Block until every rank of the group has entered the barrier."""
+def barrier(
+    group: Any = None, async_op: bool = False, device_ids: list[int] | None = None
+) -> TrackedWork | None:
+    """Block until every rank of the group has entered the barrier.
+
+    ``device_ids`` (NCCL only, as in torch) names the GPU this rank synchronises on.
+    """
     if _member(group) is None:
         return None
     return tracked(
@@ -725,5 +736,5 @@ def barrier(group: Any = None, async_op: bool = False) -> TrackedWork | None:
         msg_bytes=0,
         algo="native",
         async_op=async_op,
-        run=lambda: dist.barrier(group=group, async_op=True),
+        run=lambda: dist.barrier(group=group, async_op=True, device_ids=device_ids),
     )

@@ -2,8 +2,8 @@
 
 Bandwidths follow the nccl-tests conventions (``doc/PERFORMANCE.md`` there): ``algbw`` is
 ``msg_bytes / latency`` and ``busbw = algbw * factor``, where the factor makes numbers comparable
-with the link speed: ``2(n-1)/n`` for all_reduce; ``(n-1)/n`` for all_gather, reduce_scatter and
-all_to_all; 1 for broadcast, reduce, point-to-point, barrier and unknown ops (n = group size).
+with the link speed: ``2(n-1)/n`` for all_reduce; ``(n-1)/n`` for all_gather, reduce_scatter,
+all_to_all, gather and scatter; 1 for broadcast, reduce, point-to-point, barrier and unknown ops (n = group size).
 ``msg_bytes * factor`` is also the bytes each rank puts on the wire, which is what compressed
 communication is judged by (:meth:`CommsLogger.total_wire_bytes`). Latency runs from issuing the
 op to its completion: for async ops that is the handle's ``wait()``, so overlapped compute counts.
@@ -29,7 +29,19 @@ from ds_comm import _forensics
 from ds_comm._instrument import TRACKER, CallRecord
 from ds_comm.api import CommsLoggerConfig
 
-__all__ = ["CommsLogger", "OpRecord", "SummaryRow", "configure", "get_comms_logger", "log_summary"]
+__all__ = [
+    "CommsLogger",
+    "OpRecord",
+    "SummaryRow",
+    "configure",
+    "get_comm_operation_count",
+    "get_comms_logger",
+    "get_logged_comm_ops",
+    "has_comm_data",
+    "log_summary",
+    "reset_log",
+    "summary_dict",
+]
 
 _MAX_RECORDS = 10_000
 
@@ -44,7 +56,7 @@ def bus_factor(op: str, n: int) -> float:
         return 0.0
     if "all_reduce" in op or "allreduce" in op:
         return 2.0 * (n - 1) / n
-    if any(kind in op for kind in ("all_gather", "reduce_scatter", "all_to_all")):
+    if any(kind in op for kind in ("gather", "scatter", "all_to_all")):
         return (n - 1) / n
     return 1.0
 
@@ -315,12 +327,14 @@ def _gather_spread(rows: list[SummaryRow]) -> dict[Any, tuple[float, float]]:
     return spread
 
 
-def log_summary(show_straggler: bool = False) -> str:
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
     """Print (on rank 0) and return a table of logged ops per op and message size.
 
     Latencies are this rank's. With ``show_straggler`` every rank must call this (it all-gathers
     the per-row average latencies over the default group, untracked) and the table adds the
     min/max over ranks and their difference, the time the slowest rank cost the others.
+    With ``return_dict`` the result is DeepSpeed's dictionary instead of the table (see
+    :func:`summary_dict`); the table is still printed on rank 0.
 
     Example:
         >>> ds_comm.configure(enabled=True)
@@ -332,4 +346,85 @@ def log_summary(show_straggler: bool = False) -> str:
     table = _format_table(rows, spread)
     if _rank() == 0:
         print(f"Comms summary (rank 0 latencies):\n{table}", file=sys.stdout, flush=True)
-    return table
+    return summary_dict(rows, spread) if return_dict else table
+
+
+def summary_dict(
+    rows: list[SummaryRow], spread: Mapping[Any, tuple[float, float]] | None = None
+) -> dict[str, Any]:
+    """DeepSpeed's ``log_summary(return_dict=True)`` layout of ``rows``.
+
+    ``{"summary": {op: {msg_bytes: {count, total_latency_ms, avg_latency_ms, tput_avg_gbps,
+    busbw_avg_gbps, msg_size_bytes, msg_size_str}}}, "straggler_analysis": ... or None,
+    "metadata": {world_size, rank, timestamp}}``. Rows of one op and size run with different
+    algorithms are merged. Bandwidths are Gbit/s as in DeepSpeed; averages are plain means (not
+    DeepSpeed's 10%-trimmed ones). Straggler figures are per row: the fastest rank's average
+    latency and this rank's excess over it.
+    """
+    import datetime
+
+    merged: dict[str, dict[int, list[Any]]] = {}
+    for row in rows:
+        slot = merged.setdefault(row.op, {}).setdefault(row.msg_bytes, [0, 0.0, 0.0, 0.0, []])
+        slot[0] += row.count
+        slot[1] += row.total_latency_s
+        slot[2] += row.algbw * row.count
+        slot[3] += row.busbw * row.count
+        slot[4].append(row)
+    summary: dict[str, Any] = {}
+    straggler: dict[str, Any] | None = {} if spread is not None else None
+    for op, sizes in merged.items():
+        summary[op] = {}
+        for size, (count, total_s, algbw, busbw, parts) in sorted(sizes.items()):
+            summary[op][size] = {
+                "count": count,
+                "total_latency_ms": total_s * 1e3,
+                "avg_latency_ms": total_s * 1e3 / count,
+                "tput_avg_gbps": algbw / count * 8 / 1e9,
+                "busbw_avg_gbps": busbw / count * 8 / 1e9,
+                "msg_size_bytes": size,
+                "msg_size_str": _size(size),
+            }
+            if straggler is not None and spread is not None:
+                fastest = sum(
+                    spread[(r.op, r.msg_bytes, r.algo, r.group_size)][0] * r.count for r in parts
+                )
+                straggler.setdefault(op, {})[size] = {
+                    "count": count,
+                    "total_comm_lat_ms": fastest * 1e3,
+                    "total_straggler_ms": max(total_s - fastest, 0.0) * 1e3,
+                    "avg_comm_lat_ms": fastest * 1e3 / count,
+                    "avg_straggler_ms": max(total_s - fastest, 0.0) * 1e3 / count,
+                    "msg_size_bytes": size,
+                    "msg_size_str": _size(size),
+                }
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {
+        "summary": summary,
+        "straggler_analysis": straggler,
+        "metadata": {
+            "world_size": world,
+            "rank": _rank(),
+            "timestamp": datetime.datetime.now().isoformat(),
+        },
+    }
+
+
+def reset_log() -> None:
+    """Forget everything logged so far (e.g. per-epoch summaries); the configuration stays."""
+    _LOGGER.reset()
+
+
+def has_comm_data() -> bool:
+    """Whether any call has been logged since the last reset."""
+    return bool(_LOGGER.summary())
+
+
+def get_comm_operation_count() -> int:
+    """Calls logged since the last reset, all ops together."""
+    return sum(row.count for row in _LOGGER.summary())
+
+
+def get_logged_comm_ops() -> list[str]:
+    """Names of the ops logged since the last reset, e.g. ``["all_reduce", "broadcast"]``."""
+    return sorted({row.op for row in _LOGGER.summary()})
