@@ -158,6 +158,10 @@ def test_own_modules_are_not_aliased() -> None:
 
     assert git_version_info.__name__ == "deepspeed.git_version_info"
     assert git_version_info.version == deepspeed.__version__
+    installed = git_version_info.installed_ops
+    assert installed["async_io"] is True and installed["transformer_inference"] is False
+    assert git_version_info.compatible_ops == installed
+    assert git_version_info.torch_info["version"].count(".") >= 1
 
 
 def test_install_is_idempotent() -> None:
