@@ -322,8 +322,9 @@ class Init(contextlib.ContextDecorator):
             wins, as in DeepSpeed.
         pin_memory: page-locked host shards with ``remote_device="cpu"`` (CUDA only).
         config_dict_or_path: the DeepSpeed config (dict or JSON file): ``zero_optimization``
-            gives ``offload_param`` and ``stage3_param_persistence_threshold``; ``bf16``/``fp16``
-            ``enabled`` give the dtype.
+            gives ``offload_param``; ``bf16``/``fp16`` ``enabled`` give the dtype. Every
+            parameter is partitioned, as in DeepSpeed; ``stage3_param_persistence_threshold``
+            applies when the stage 3 engine takes the model (it may still be ``"auto"`` here).
         config: DeepSpeed's older name for ``config_dict_or_path``.
         enabled: False makes the context a no-op.
         dtype: cast floating-point parameters to this dtype before partitioning (None: the
@@ -361,9 +362,10 @@ class Init(contextlib.ContextDecorator):
         self.group = data_parallel_group
         self.dtype = dtype if dtype is not None else config_dtype
         self.offload = self._offload(zero, remote_device, pin_memory)
-        self.persistence_threshold = (
-            zero.stage3_param_persistence_threshold if zero is not None else 100_000
-        )
+        # DeepSpeed's zero.Init partitions every parameter: persistence is decided when the
+        # stage 3 engine takes the model, with its (by then resolved) threshold; see
+        # ParamPartitioner.apply_persistence_threshold. Empty parameters stay whole.
+        self.persistence_threshold = 0
         self.partitioner = self._shared_partitioner() or self._new_partitioner()
         if module is not None:
             self._partition_tree(module)

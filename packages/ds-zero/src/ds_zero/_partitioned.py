@@ -295,6 +295,24 @@ class ParamPartitioner:
         if self.shard_store is not None:
             self.shard_store.evict([p])
 
+    def apply_persistence_threshold(self, threshold: int) -> None:
+        """Make parameters of at most ``threshold`` elements persistent: gathered now, whole on
+        every rank from then on. A collective: every rank of the group calls it.
+
+        DeepSpeed marks persistence when the ZeRO-3 engine takes a model partitioned by
+        ``zero.Init`` (whose threshold clients such as transformers only resolve from
+        ``"auto"`` after the model exists), so ``ds_zero.Init`` partitions everything and the
+        engine applies its config's threshold here.
+        """
+        self.persistence_threshold = threshold
+        newly = [p for p in self.params if not p.ds_persist and p.ds_numel <= threshold]
+        if not newly:
+            return
+        self.gather(newly).wait()
+        for p in newly:
+            p.ds_persist = True
+            self.gathered_numel -= p.ds_numel  # the count covers non-persistent ones only
+
     # --- gathering and releasing -----------------------------------------------------------------
 
     def gather(

@@ -190,7 +190,10 @@ class Stage3Optimizer(AccumulationWindow):
                 "the model under one Init, or pass partitioner="
             )
         if existing:
-            return next(iter(existing.values()))
+            partitioner = next(iter(existing.values()))
+            threshold = self.config.stage3_param_persistence_threshold
+            partitioner.apply_persistence_threshold(threshold)
+            return partitioner
         offload = self.config.offload_param
         store = None
         if offload.device == "nvme":
