@@ -19,6 +19,16 @@ from ds_zero._init import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from ds_zero._leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 from ds_zero._manifest import CheckpointError
 from ds_zero._memory import (
     estimate_model_states,
@@ -71,6 +81,14 @@ __all__ = [
     "register_external_parameter",
     "unregister_external_parameter",
     "NvmeShardStore",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
     # parameter access (DeepSpeed's safe_get_full_fp32_param and siblings)
     "ParamViews",
     "param_views",

@@ -38,6 +38,16 @@ prefetched and not yet used are released and the current iteration's events beco
 trace. After a module's forward a parameter is kept (not released) when the trace says it is
 used again within ``stage3_max_reuse_distance`` elements of other fetched parameters. All ranks
 see the same events, so they issue the same collectives in the same order.
+
+[Note: leaf modules]
+A module flagged as a ZeRO-3 leaf (``module._z3_leaf``, set by ``set_z3_leaf_modules``) is
+fetched as one unit: its fetch set is every parameter below it, gathered in one collective at
+its forward (and at its backward), and the hooks of the modules inside it do nothing while it
+runs. A mixture-of-experts block whose experts run in a data-dependent order is the use: its
+event sequence is one event whatever the routing, so the trace stays valid, and experts that
+receive no token still have their parameters gathered, so every rank issues the same
+collectives. The flag is read at each forward, so it may be set before or after the optimizer
+is built.
 """
 
 from __future__ import annotations
@@ -85,6 +95,11 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         ctx.callback()
         return (None, *grads)
+
+
+def is_leaf(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is flagged as a ZeRO-3 leaf (see [Note: leaf modules])."""
+    return bool(getattr(module, "_z3_leaf", False))
 
 
 def _map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
@@ -166,6 +181,7 @@ class Stage3Hooks:
         self._prefetched: dict[int, torch.nn.Parameter] = {}  # ds_id -> not yet used
         self._keep: dict[int, set[int]] = {}  # trace index -> ds_ids to keep after its forward
         self._open: list[int] = []  # event index of each module whose forward is running
+        self._leaf: list[torch.nn.Module] = []  # the leaf module whose forward is running
         for m in self._modules:
             self._handles.append(m.register_forward_pre_hook(self._forward_pre))
             self._handles.append(m.register_forward_hook(self._forward_post))
@@ -182,13 +198,17 @@ class Stage3Hooks:
         """The parameters ``module`` needs whole while it runs (see [Note: which parameters a
         module fetches])."""
         external = getattr(module, "_ds_external_params", ())
-        key = (id(module), *map(id, external))
+        leaf = is_leaf(module)
+        key = (id(module), leaf, *map(id, external))
         cached = self._fetch_sets.get(key) if self._borrowed is not None else None
         if cached is not None:
             return cached
-        params = list(module.parameters(recurse=False))
-        own = bool(params)
+        params = list(module.parameters(recurse=leaf))
+        own = bool(params) and not leaf
         params += list(external)
+        if leaf:
+            for sub in module.modules():
+                params += list(getattr(sub, "_ds_external_params", ()))
         if own and self._borrowed is None:
             for child in module.children():
                 params += list(child.parameters(recurse=False))
@@ -217,6 +237,10 @@ class Stage3Hooks:
     # --- hooks -----------------------------------------------------------------------------------
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self._leaf:  # inside a leaf module: it fetched everything (see [Note: leaf modules])
+            return
+        if is_leaf(module):
+            self._leaf.append(module)
         self._ran.add(id(module))
         record = torch.is_grad_enabled()
         if record:
@@ -226,6 +250,10 @@ class Stage3Hooks:
             p.ds_active_sub_modules.add(id(module))
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self._leaf:
+            if self._leaf[-1] is not module:
+                return output
+            self._leaf.pop()
         record = torch.is_grad_enabled()
         if module is self.model and self._borrowed is None:
             self._learn_borrowed()
@@ -293,6 +321,7 @@ class Stage3Hooks:
     def end_iteration(self) -> None:
         """Close one forward+backward: the first (or an invalidated) iteration becomes the trace;
         any parameter of the model still gathered and not persistent is released."""
+        self._leaf.clear()  # a forward that raised inside a leaf module left it open
         if self.trace is None or len(self._events) != len(self.trace):
             if self.trace is not None:
                 self._invalidate()
