@@ -69,8 +69,11 @@ class CommsLoggerConfig:
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> CommsLoggerConfig:
-        """Build from the JSON ``comms_logger`` section; unknown keys are errors with a suggestion."""
-        section = dict(section or {})
+        """Build from the JSON ``comms_logger`` section; unknown keys are errors with a suggestion.
+        ``"auto"`` (Hugging Face's placeholder) is a key's default, as in DeepSpeed's models."""
+        section = {
+            k: v for k, v in (section or {}).items() if not (isinstance(v, str) and v == "auto")
+        }
         known = {f.name for f in fields(cls)}
         for key in section:
             if key not in known:
