@@ -444,7 +444,7 @@ SECTION_ACCESSORS = {
     "random_ltd_config": ("enabled", False),
     "tensor_parallel_config": ("autotp_size", 0),
     "cpuadam_cores_perc": None,  # 0.8 (the model's default; DeepSpeed says 0.9 with no section)
-    "steps_per_print": None,  # 10 here; DeepSpeed 0.19 defaults to None (never)
+    "steps_per_print": None,  # 10, the documented default (DeepSpeed 0.19's code says None)
 }
 
 

@@ -297,6 +297,7 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "vocab_parallel_lm_head": None,
             "vocab_parallel_ce_backend": "torch",
             "tensor_parallel": {"tp_size": 1, "tp_grain_size": 1},
+            "injection_policy_tuple": None,
             "partition_config": None,
             "preset_model": None,
             "keep_module_on_host": False,
