@@ -53,6 +53,7 @@ from ds_comm._compat import (
     reduce_scatter_fn,
 )
 from ds_comm._compressed import CompressedAllReduce, compressed_all_reduce
+from ds_comm._device_guard import device_guard
 from ds_comm._env import LaunchEnv
 from ds_comm._gather_scatter import all_to_all, gather, monitored_barrier, scatter
 from ds_comm._init import (
@@ -94,6 +95,7 @@ from ds_comm.api import (
     CollectiveTimeoutError,
     CommsLoggerConfig,
     ConfigError,
+    DeviceGuardError,
     DistributedEnvError,
     ReduceOp,
 )
@@ -186,6 +188,7 @@ __all__ = [
     "get_comm_operation_count",
     "get_logged_comm_ops",
     "annotate",
+    "device_guard",
     # bucketing and compression
     "Bucket",
     "flatten_into_buckets",
@@ -197,5 +200,6 @@ __all__ = [
     "DistributedEnvError",
     "CollectiveTimeoutError",
     "CollectiveMismatchError",
+    "DeviceGuardError",
     "__version__",
 ]

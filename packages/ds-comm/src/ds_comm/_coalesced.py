@@ -18,6 +18,7 @@ import torch
 
 from ds_comm import _algorithms as alg
 from ds_comm._collectives import _member, all_gather_into_tensor, all_reduce
+from ds_comm._instrument import check_devices
 from ds_comm.api import ReduceOp
 
 __all__ = ["all_gather_coalesced", "all_reduce_coalesced", "inference_all_reduce"]
@@ -53,6 +54,7 @@ def all_reduce_coalesced(
     """
     if not tensors or _member(group, tensors[0]) is None:
         return _finish(alg.Pending(), async_op)
+    check_devices("all_reduce_coalesced", group, tensors)  # before any part is issued
     works, copies = [], []
     for indices in _buckets(tensors):
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
@@ -93,6 +95,7 @@ def all_gather_coalesced(
                 f"all_gather_coalesced: output {k} must be {inp.dtype} with {n} x {inp.numel()} "
                 f"elements, got {out.dtype} {tuple(out.shape)}"
             )
+    check_devices("all_gather_coalesced", group, [*output_tensors, *input_tensors])
     works, copies = [], []
     for indices in _buckets(input_tensors):
         flat_in = torch.cat([input_tensors[i].reshape(-1) for i in indices])

@@ -32,6 +32,7 @@ __all__ = [
     "TrackedWork",
     "annotate",
     "begin_one",
+    "check_devices",
     "group_ranks",
     "tracked",
 ]
@@ -181,6 +182,9 @@ class _Tracker:
         # Called with (record, exception) when an op raises; a hook may raise a clearer error
         # (e.g. a gloo timeout becomes CollectiveTimeoutError naming where every rank is).
         self.on_error: list[Callable[[CallRecord, BaseException], None]] = []
+        # Set while the device guard is on (_device_guard.py): checks every tensor argument
+        # before a call is registered, so a refused call uses no sequence number.
+        self.device_check: Callable[[str, Any, Sequence[torch.Tensor]], None] | None = None
 
     def reset(self) -> None:
         with self.lock:
@@ -264,6 +268,12 @@ def _device(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
 
 
+def check_devices(op: str, group: Any | None, tensors: Sequence[torch.Tensor]) -> None:
+    """Run the device guard on ``tensors`` now, when it is on (composite ops check up front)."""
+    if TRACKER.device_check is not None:
+        TRACKER.device_check(op, group, tensors)
+
+
 def begin(
     op: str,
     group: Any | None,
@@ -278,6 +288,8 @@ def begin(
     A hook that raises (e.g. the debug-mode fingerprint check) aborts the call before the op is
     issued; the call is then reported through ``failed`` like an op error.
     """
+    if TRACKER.device_check is not None:
+        TRACKER.device_check(op, group, tensors)
     shapes = tuple([t.shape for t in tensors])
     if tensors:
         first = tensors[0]
@@ -291,6 +303,8 @@ def begin_one(
     op: str, group: Any | None, tensor: torch.Tensor, algo: str, async_op: bool
 ) -> CallRecord:
     """:func:`begin` for a call on the single ``tensor`` (the point-to-point fast path)."""
+    if TRACKER.device_check is not None:
+        TRACKER.device_check(op, group, (tensor,))
     return _begin(
         op, group, (tensor.shape,), tensor.dtype, _device(tensor), _call_site(),
         tensor.nbytes, algo, async_op,

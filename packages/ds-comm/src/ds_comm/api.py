@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommsLoggerConfig",
     "ConfigError",
+    "DeviceGuardError",
     "DistributedEnvError",
     "ReduceOp",
 ]
@@ -32,6 +33,10 @@ class CollectiveTimeoutError(RuntimeError):
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks entered different collectives at the same sequence number (debug mode)."""
+
+
+class DeviceGuardError(RuntimeError):
+    """A collective got a tensor on a device its group cannot use (device guard mode)."""
 
 
 @dataclass(frozen=True, kw_only=True)
