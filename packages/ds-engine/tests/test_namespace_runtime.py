@@ -244,3 +244,29 @@ def test_top_level_names_of_missing_features_refuse_when_called() -> None:
     with pytest.raises(NotImplementedError, match="AutoTP"):
         ds_engine.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
     assert "init_inference" in dir(ds_engine)
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "feature"),
+    [
+        ("monitor.monitor", "MonitorMaster", "MonitorMaster"),
+        ("monitor.tensorboard", "TensorBoardMonitor", "TensorBoard"),
+        ("monitor.wandb", "WandbMonitor", "Weights & Biases"),
+        ("monitor.csv_monitor", "csvMonitor", "CSV"),
+        ("monitor.comet", "CometMonitor", "Comet"),
+        ("monitor.config", "DeepSpeedMonitorConfig", "monitor config"),
+    ],
+)
+def test_monitors_import_and_refuse(module: str, name: str, feature: str) -> None:
+    cls = getattr(importlib.import_module(f"ds_engine.{module}"), name)
+    with pytest.raises(NotImplementedError, match=rf"deepspeed\.{module}\.{name}.*{feature}"):
+        cls({"enabled": True})
+
+
+def test_zero_config_and_pipe_module_reexports() -> None:
+    from ds_engine.runtime.pipe import module
+    from ds_engine.runtime.zero import config, offload_config
+
+    assert config.OffloadDeviceEnum is offload_config.OffloadDeviceEnum
+    assert config.DeepSpeedZeroOffloadParamConfig is ds_zero.OffloadParamConfig
+    assert module.PipeDataParallelTopology is ds_comm.PipeDataParallelTopology

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ds_comm import PipeDataParallelTopology, PipeModelDataParallelTopology
 from ds_engine._optional import require
 
 _pipe = require("ds_pipe", "ds-pipe", "deepspeed.runtime.pipe.module")
@@ -14,6 +15,8 @@ partition_balanced = _pipe.partition_balanced
 
 __all__ = [
     "LayerSpec",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
     "PipelineModule",
     "TiedLayerSpec",
     "partition_balanced",

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import enum
 
+from ds_engine.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    OffloadDeviceEnum,
+)
 from ds_zero import ZeroConfig
 
 DeepSpeedZeroConfig = ZeroConfig
@@ -19,4 +24,11 @@ class ZeroStageEnum(enum.IntEnum):
     max_stage = 3
 
 
-__all__ = ["DeepSpeedZeroConfig", "ZeroConfig", "ZeroStageEnum"]
+__all__ = [
+    "DeepSpeedZeroConfig",
+    "DeepSpeedZeroOffloadOptimizerConfig",
+    "DeepSpeedZeroOffloadParamConfig",
+    "OffloadDeviceEnum",
+    "ZeroConfig",
+    "ZeroStageEnum",
+]
