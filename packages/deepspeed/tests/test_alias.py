@@ -13,9 +13,21 @@ from deepspeed import _alias
 
 import ds_engine
 
-# Paths this distribution must provide (those of ds-engine's namespace modules).
+# Paths this distribution must provide (those of ds-engine's namespace modules, and the two
+# names of one module: runtime.activation_checkpointing.checkpointing is checkpointing).
 PATHS = [
     "comm",
+    "accelerator",
+    "checkpointing",
+    "launcher",
+    "launcher.runner",
+    "launcher.launch",
+    "utils",
+    "utils.groups",
+    "utils.logging",
+    "utils.zero_to_fp32",
+    "runtime.activation_checkpointing",
+    "runtime.activation_checkpointing.checkpointing",
     "zero",
     "runtime",
     "runtime.zero",
@@ -68,6 +80,8 @@ PATHS = [
     "env_report",
 ]
 
+SECOND_NAMES = {"runtime.activation_checkpointing.checkpointing": "ds_engine.checkpointing"}
+
 
 @pytest.mark.parametrize("path", PATHS)
 def test_module_is_the_ds_engine_module(path: str) -> None:
@@ -75,9 +89,10 @@ def test_module_is_the_ds_engine_module(path: str) -> None:
     real = importlib.import_module(f"ds_engine.{path}")
     assert alias is real
     assert sys.modules[f"deepspeed.{path}"] is sys.modules[f"ds_engine.{path}"]
-    # The module keeps its own identity: name and spec are ds_engine's.
-    assert real.__name__ == f"ds_engine.{path}"
-    assert real.__spec__ is not None and real.__spec__.name == f"ds_engine.{path}"
+    # The module keeps its own identity: name and spec are ds_engine's (the name of the module
+    # itself, ds_engine.checkpointing, for its second path under runtime.activation_checkpointing).
+    assert real.__name__ == SECOND_NAMES.get(path, f"ds_engine.{path}")
+    assert real.__spec__ is not None and real.__spec__.name == real.__name__
 
 
 def test_alias_imported_first_then_monkeypatched_through_it() -> None:
