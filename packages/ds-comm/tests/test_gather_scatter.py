@@ -193,3 +193,25 @@ def test_records_carry_op_names_and_sizes(world_size: int) -> None:
         ("monitored_barrier", 0, "native"),
     ]
     assert run_on_ranks(_records_body, world_size) == [expected] * world_size
+
+
+def _nccl_body(rank: int, world_size: int) -> int:
+    import ds_comm
+    from ds_comm.accelerator import get_accelerator
+
+    device = get_accelerator().current_device_name()
+    block = torch.arange(4, device=device, dtype=torch.float32)
+    outs = [torch.empty(4, device=device)]
+    ds_comm.gather(block, outs, dst=0)
+    got = torch.empty(4, device=device)
+    ds_comm.scatter(got, [block * 2], src=0)
+    result = [torch.empty(4, device=device)]
+    ds_comm.all_to_all(result, [block + 1])
+    assert torch.equal(outs[0], block) and torch.equal(got, block * 2)
+    assert torch.equal(result[0], block + 1)
+    return 3
+
+
+@pytest.mark.gpu(1)
+def test_rooted_ops_on_nccl() -> None:
+    assert run_on_ranks(_nccl_body, 1, backend="nccl", fresh=True) == [3]

@@ -124,3 +124,10 @@ def test_object_collective_errors(world_size: int) -> None:
         assert "is not in the group" in errors[1]
         assert f"object_gather_list needs {world_size} entries, got None" in errors[2]
         assert "must be a non-empty list" in errors[3]
+
+
+@pytest.mark.gpu(1)
+def test_object_collectives_on_nccl() -> None:
+    # the object bytes must travel on the accelerator's current device for an NCCL group
+    ops = run_on_ranks(_body, 1, backend="nccl", fresh=True)[0]
+    assert ops[:2] == ["all_gather_into_tensor"] * 2 and ops[-2:] == ["broadcast", "scatter"]
