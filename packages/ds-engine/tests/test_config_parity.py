@@ -104,7 +104,6 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
         ("tensorboard", {"enabled": True}, "TensorBoard"),
         ("wandb", {"enabled": True}, "Weights & Biases"),
         ("flops_profiler", {"enabled": True}, "FLOPS profiler"),
-        ("activation_checkpointing", {"partition_activations": True}, "activation checkpointing"),
         ("sequence_parallel_size", 2, "sequence parallelism"),
         ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism"),
         ("elasticity", {"enabled": True}, "elastic training"),
@@ -149,6 +148,18 @@ def test_a_key_asking_for_an_unimplemented_feature_is_refused(
 def test_misspellings_get_did_you_mean_in_every_section(config: dict, suggestion: str) -> None:
     with pytest.raises(ConfigError, match=f"did you mean '{suggestion}"):
         DeepSpeedConfig.from_dict({**BASE, **config})
+
+
+def test_activation_checkpointing_section_is_typed() -> None:
+    section = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4}
+    cfg = DeepSpeedConfig.from_dict({**BASE, "activation_checkpointing": section})
+    assert cfg.activation_checkpointing.partition_activations
+    assert cfg.activation_checkpointing.number_checkpoints == 4
+    assert cfg["activation_checkpointing"] == section
+    with pytest.raises(ConfigError, match="number_checkpoints = 0"):
+        DeepSpeedConfig.from_dict({**BASE, "activation_checkpointing": {"number_checkpoints": 0}})
+    with pytest.raises(ConfigError, match="did you mean 'cpu_checkpointing'"):
+        DeepSpeedConfig.from_dict({**BASE, "activation_checkpointing": {"cpu_checkpoint": True}})
 
 
 def test_bf16_and_its_alias_together_are_an_error() -> None:
@@ -480,3 +491,16 @@ def test_accessors_follow_the_config() -> None:
     assert _read(cfg, DEEPSPEED_ACCESSORS["zero_offload_param"]).device == "cpu"
     assert _read(cfg, DEEPSPEED_ACCESSORS["zero_overlap_comm"]) is True
     assert _read(cfg, DEEPSPEED_ACCESSORS["flops_profiler_top_modules"]) == 7
+
+
+def test_the_schema_lists_every_accepted_key() -> None:
+    from ds_engine import config_json_schema
+
+    props = config_json_schema()["properties"]
+    assert set(EVERY_KEY) | {"bfloat16"} <= set(props)
+    checkpoint = props["checkpoint"]["properties"]
+    assert checkpoint["parallel_write"] == {} and checkpoint["tag_validation"]["type"] == "string"
+    assert props["data_types"]["properties"]["keep_in_fp32_modules"] == {}  # "auto" or a list
+    assert set(props["flops_profiler"]["properties"]) == set(
+        NOT_IMPLEMENTED["flops_profiler"].default
+    )

@@ -191,18 +191,6 @@ _MONITOR = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
 # DeepSpeed 0.19's top-level keys for features ds does not implement, with DeepSpeed's defaults
 # (read from deepspeed/runtime/config.py and the section config models).
 NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
-    "activation_checkpointing": NotImplementedFeature(
-        "DeepSpeed activation checkpointing (partitioned / CPU / contiguous activations)",
-        {
-            "partition_activations": False,
-            "contiguous_memory_optimization": False,
-            "cpu_checkpointing": False,
-            "number_checkpoints": None,
-            "synchronize_checkpoint_boundary": False,
-            "profile": False,
-        },
-        note="torch.utils.checkpoint works with ds as it is.",
-    ),
     "flops_profiler": NotImplementedFeature(
         "the FLOPS profiler",
         {

@@ -14,6 +14,8 @@ _JSON_TYPES = {"bool": "boolean", "int": "integer", "float": "number", "str": "s
 
 def _field_schema(annotation: str, default: Any) -> dict[str, Any]:
     parts = [p.strip() for p in str(annotation).split("|")]
+    if any(p not in _JSON_TYPES and p != "None" for p in parts):
+        return {}  # a mapping, list or model: any JSON value here; the parser checks it
     types = sorted({_JSON_TYPES[p] for p in parts if p in _JSON_TYPES})
     if "float" in parts and "integer" not in types:
         types.append("integer")

@@ -1,4 +1,4 @@
-"""The ``checkpoint`` and ``data_types`` sections: engine behaviour ds implements.
+"""The ``checkpoint``, ``data_types`` and ``activation_checkpointing`` sections.
 
 Both are frozen keyword-only dataclasses with DeepSpeed's key names and defaults, built with
 ``from_dict``; ``"auto"`` stands for a key's default (DeepSpeed's config models drop it).
@@ -18,7 +18,13 @@ import torch
 from ds_comm import ConfigError
 from ds_engine._config_features import is_auto
 
-__all__ = ["CheckpointConfig", "DataTypesConfig", "dtype_from_name", "section_values"]
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "CheckpointConfig",
+    "DataTypesConfig",
+    "dtype_from_name",
+    "section_values",
+]
 
 _TAG_VALIDATION = ("IGNORE", "WARN", "FAIL")
 
@@ -210,3 +216,43 @@ class DataTypesConfig:
         if section is not None and is_auto(section.get("keep_in_fp32_modules")):
             values["keep_in_fp32_modules"] = "auto"
         return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section, read by ``deepspeed.checkpointing.configure``
+    (``ds_engine.checkpointing``) as in DeepSpeed, whose engine does not act on it either.
+
+    Attributes:
+        partition_activations: split saved checkpoint inputs across the model-parallel group.
+        contiguous_memory_optimization: copy partitioned activations into one buffer.
+        cpu_checkpointing: keep saved checkpoint inputs in host memory.
+        number_checkpoints: checkpoints per step, sizing the contiguous buffer (None: unknown).
+        synchronize_checkpoint_boundary: synchronize the accelerator at each checkpoint.
+        profile: time each checkpointed function's forward and backward.
+    """
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "number_checkpoints":
+                _bool(f"activation_checkpointing.{f.name}", getattr(self, f.name))
+        count = self.number_checkpoints
+        if count is not None and (
+            isinstance(count, bool) or not isinstance(count, int) or count < 1
+        ):
+            raise ConfigError(
+                f"activation_checkpointing.number_checkpoints = {count!r}: expected a positive "
+                "integer or null"
+            )
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> ActivationCheckpointingConfig:
+        """Build from the JSON ``activation_checkpointing`` section."""
+        return cls(**section_values("activation_checkpointing", section, cls))

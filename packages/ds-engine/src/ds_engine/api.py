@@ -39,13 +39,18 @@ import torch
 from ds_comm import CommsLoggerConfig, ConfigError
 from ds_engine._config_features import NOT_IMPLEMENTED, FeatureSettings, is_auto
 from ds_engine._config_load import load_config_dict
-from ds_engine._config_sections import CheckpointConfig, DataTypesConfig
+from ds_engine._config_sections import (
+    ActivationCheckpointingConfig,
+    CheckpointConfig,
+    DataTypesConfig,
+)
 from ds_engine._config_triad import batch_key, check_triad, complete_triad
 from ds_engine._optional import require
 from ds_optim import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig
 from ds_zero import ZeroConfig
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataTypesConfig",
@@ -63,6 +68,7 @@ _SECTIONS: dict[str, Any] = {
     "comms_logger": CommsLoggerConfig,
     "checkpoint": CheckpointConfig,
     "data_types": DataTypesConfig,
+    "activation_checkpointing": ActivationCheckpointingConfig,
 }
 # DeepSpeed accepts "bfloat16" as an alias of "bf16".
 _ALIASES = {"bfloat16": "bf16"}
@@ -119,6 +125,7 @@ class DeepSpeedConfig(Mapping[str, Any]):
         comms_logger: the ``comms_logger`` section.
         checkpoint: the ``checkpoint`` section (tag validation, node-local storage).
         data_types: the ``data_types`` section (buffer dtype, fp32-kept modules).
+        activation_checkpointing: the section ``deepspeed.checkpointing.configure`` reads.
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
         steps_per_print: print a progress line every this many optimizer steps (``inf``: never).
         wall_clock_breakdown: time forward, backward and step and print them.
@@ -156,6 +163,9 @@ class DeepSpeedConfig(Mapping[str, Any]):
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
     gradient_clipping: float = 1.0
     steps_per_print: int | float = 10
     wall_clock_breakdown: bool = False
