@@ -16,9 +16,9 @@ documentation and examples import, below), ``client`` (every ``deepspeed.*`` pat
 clients import or reach by attribute, found by parsing their source), and ``walked`` (the direct
 submodules of the packages in ``WALKED``, skipping ``_private`` ones). A module's names are its
 ``__all__`` when it has one. Otherwise they are its non-underscore attributes, minus what it merely
-imported from elsewhere: classes and functions defined outside ``deepspeed``, modules that are not
-its own submodules (the top-level ``deepspeed`` namespace may hold any DeepSpeed module), and
-``typing`` constructs. Constants and objects (``logger``) are kept. A class's surface is what its
+imported from elsewhere: names its source imports from outside ``deepspeed``, classes and functions
+defined outside ``deepspeed``, modules that are not its own submodules (the top-level
+``deepspeed`` namespace may hold any DeepSpeed module), and ``typing`` constructs. Constants and objects (``logger``) are kept. A class's surface is what its
 DeepSpeed-defined classes (not ``torch.nn.Module``) define, public names plus the underscore names
 the clients call, and the ``self.<name> =`` assignments in their source (instance attributes).
 """
@@ -159,12 +159,33 @@ def _kind(owner: str, name: str, obj: Any) -> str | None:
     return "object"
 
 
+def foreign_imports(module: types.ModuleType) -> set[str]:
+    """Names the module's source binds by importing from outside ``deepspeed`` (``REMAINDER``
+    from argparse, ``Optional``...): not its surface, whatever their type."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and not _is_deepspeed(node.module):
+            found |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {
+                alias.asname or alias.name.partition(".")[0]
+                for alias in node.names
+                if not _is_deepspeed(alias.name)
+            }
+    return found
+
+
 def module_names(module: types.ModuleType) -> dict[str, str]:
     """``{name: kind}`` of a module's public surface (see [Note: what counts as public])."""
     explicit = getattr(module, "__all__", None)
+    foreign = foreign_imports(module) if explicit is None else set()
     names: dict[str, str] = {}
     for name in explicit if explicit is not None else dir(module):
-        if explicit is None and name.startswith("_"):
+        if explicit is None and (name.startswith("_") or name in foreign):
             continue
         if not hasattr(module, name):
             names[name] = "missing"  # listed in __all__ but absent: still part of the contract

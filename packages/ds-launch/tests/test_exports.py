@@ -84,3 +84,10 @@ def test_multi_node_runs_put_the_launch_directory_on_pythonpath(dirs, tmp_path):
     hostfile.write_text("a slots=1\nb slots=1\n")
     exports = _exports(cwd, {"PYTHONPATH": "/opt/lib"}, hostfile=str(hostfile))
     assert exports["PYTHONPATH"] == f"{cwd}:/opt/lib"
+
+
+def test_aisc_nodes_keep_their_own_network_variables(dirs):
+    cwd, _ = dirs
+    environ = {"NCCL_IB_HCA": "mlx5_0", "UCX_NET_DEVICES": "mlx5_0:1", "NCCL_DEBUG": "INFO"}
+    assert _exports(cwd, environ) == environ
+    assert _exports(cwd, {**environ, "AISC_JOB_NAME": "job"}) == {"NCCL_DEBUG": "INFO"}

@@ -1,6 +1,7 @@
-"""``ds_launch.runner``: the names clients import from DeepSpeed's ``deepspeed.launcher.runner``,
-with DeepSpeed's values and meanings, and the ``.deepspeed_env`` file they point at really read
-by the launcher (as ``accelerate launch`` relies on)."""
+"""``ds_launch.runner`` and ``ds_launch.node``: the names of DeepSpeed's
+``deepspeed.launcher.runner`` and ``deepspeed.launcher.launch``, with DeepSpeed's values and
+meanings, and the ``.deepspeed_env`` file they point at really read by the launcher (as
+``accelerate launch`` relies on)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_launch import LaunchConfig, plan_launch, runner
+from ds_launch import LaunchConfig, node, plan_launch, runner
 
 
 def test_constants_have_deepspeeds_values():
@@ -22,6 +23,18 @@ def test_constants_have_deepspeeds_values():
     assert [os.path.expanduser("~"), "."] == runner.DEEPSPEED_ENVIRONMENT_PATHS
     assert runner.PDSH_MAX_FAN_OUT == 1024
     assert runner.DLTS_HOSTFILE == "/job/hostfile"
+    assert runner.TORCH_DISTRIBUTED_DEFAULT_PORT == node.TORCH_DISTRIBUTED_DEFAULT_PORT == 29500
+    assert runner.EXCLUDE_ENVS == {"AISC_JOB_NAME": ["NCCL_IB_HCA", "UCX_NET_DEVICES"]}
+    launchers = [runner.PDSH_LAUNCHER, runner.OPENMPI_LAUNCHER, runner.MPICH_LAUNCHER,
+                 runner.IMPI_LAUNCHER, runner.SLURM_LAUNCHER, runner.MVAPICH_LAUNCHER]  # fmt: skip
+    assert launchers == ["pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich"]
+    for name in launchers:  # each is a --launcher ds-launch takes
+        LaunchConfig(user_script="t.py", launcher=name)
+    assert (node.CROSS_RANK, node.CROSS_SIZE, node.PID_FILE_BASEPATH) == (
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "/tmp",
+    )
     # DeepSpeed's prefixes (its accelerator adds NCCL), each exported by ds-launch.
     for prefix in ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL"):
         assert any(name.startswith(prefix) for name in runner.EXPORT_ENVS), prefix
@@ -134,3 +147,29 @@ def test_main_returns_none_on_success_and_exits_with_the_jobs_code(tmp_path, mon
         runner.main(["--autotuning", "tune", "t.py"])
     assert info.value.code == 2
     assert "--autotuning is not implemented" in capsys.readouterr().err
+
+
+def test_launch_parse_args_has_deepspeeds_attributes():
+    args = node.parse_args(["--world_info=e30=", "--node_rank=1", "-q", "train.py", "--lr", "1"])
+    assert (args.node_rank, args.master_addr, args.master_port) == (1, "127.0.0.1", 29500)
+    assert (args.training_script, args.training_script_args) == ("train.py", ["--lr", "1"])
+    assert (args.quiet, args.log_level, args.save_pid) == (True, "info", 0)
+    assert args.enable_each_rank_log == "None"
+
+
+def test_terminate_process_tree_stops_a_process_and_its_children(tmp_path):
+    ready = tmp_path / "ready"
+    code = (
+        "import subprocess, sys, time, pathlib; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"pathlib.Path({str(ready)!r}).write_text('1'); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    while not ready.exists():
+        assert parent.poll() is None
+    from ds_launch._supervise import descendants
+
+    (child,) = descendants({parent.pid})
+    node.terminate_process_tree(parent.pid)
+    assert parent.wait(timeout=30) == -15  # SIGTERM
+    assert not os.path.exists(f"/proc/{child}") or "Z" in Path(f"/proc/{child}/stat").read_text()

@@ -5,7 +5,8 @@ Remote nodes start from sshd's (or the MPI daemon's) bare environment, so the la
 over, as DeepSpeed does:
 
 * every variable of its own environment whose name starts with ``NCCL_``, ``PYTHON``, ``UCX_``,
-  ``FI_`` (libfabric, as used by EFA), ``MV2_`` or ``MLFLOW_``;
+  ``FI_`` (libfabric, as used by EFA), ``MV2_`` or ``MLFLOW_``; except, when ``AISC_JOB_NAME`` is set (nodes that set their own network variables),
+  ``NCCL_IB_HCA`` and ``UCX_NET_DEVICES`` (DeepSpeed's ``EXCLUDE_ENVS``);
 * for multi-node runners, ``PYTHONPATH`` with the launch directory in front (ranks ``cd`` there);
 * the ``NAME=VALUE`` lines of ``.deepspeed_env`` files: ``~/.deepspeed_env`` then
   ``./.deepspeed_env``, both read, the current directory's values winning. ``DS_ENV_FILE`` names
@@ -27,6 +28,8 @@ from ds_launch._hostfile import parse_env_file
 from ds_launch.api import LaunchError
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "FI_", "MV2_", "MLFLOW_")
+# When the key is set, each node sets these itself: rank 0's values are not exported.
+EXCLUDE_ENVS = {"AISC_JOB_NAME": ("NCCL_IB_HCA", "UCX_NET_DEVICES")}
 ENV_FILE_NAME = ".deepspeed_env"
 LAUNCH_VARS = (
     "RANK",
@@ -73,10 +76,11 @@ def collect_exports(
     Raises:
         LaunchError: ``DS_ENV_FILE`` names no file, or an env file line is malformed.
     """
+    excluded = {name for key, names in EXCLUDE_ENVS.items() if key in environ for name in names}
     exports = {
         name: value
         for name, value in sorted(environ.items())
-        if name.startswith(EXPORT_PREFIXES) and name not in LAUNCH_VARS
+        if name.startswith(EXPORT_PREFIXES) and name not in LAUNCH_VARS and name not in excluded
     }
     if multi_node:
         path = environ.get("PYTHONPATH")

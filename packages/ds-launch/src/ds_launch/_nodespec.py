@@ -215,9 +215,19 @@ def _agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--venv_script", default=None, help="shell script each rank sources")
     parser.add_argument("--cpu", action="store_true", help="slots are CPU ranks, not GPUs")
     parser.add_argument("--kill_grace", type=float, default=DEFAULT_KILL_GRACE_S)
-    parser.add_argument("user_script")
-    parser.add_argument("user_args", nargs=argparse.REMAINDER)
+    # DeepSpeed's launch.py names for the user program and its arguments.
+    parser.add_argument("training_script")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser
+
+
+def parse_node_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The agent's command line parsed, with DeepSpeed's ``launch.py`` attribute names.
+
+    Raises:
+        SystemExit: the arguments do not parse (argparse prints the usage).
+    """
+    return _agent_parser().parse_args(list(argv))
 
 
 def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
@@ -227,7 +237,7 @@ def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
         LaunchError: the world info is malformed or does not list this node.
         SystemExit: the arguments do not parse (argparse prints the usage).
     """
-    args = _agent_parser().parse_args(list(argv))
+    args = parse_node_args(argv)
     if args.world_info == "None":
         raise LaunchError("--world_info is required: the job's {host: [slots]} as base64 JSON")
     resources = decode_world_info(args.world_info)
@@ -244,8 +254,8 @@ def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
         node_rank=node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
-        user_script=args.user_script,
-        user_args=tuple(args.user_args),
+        user_script=args.training_script,
+        user_args=tuple(args.training_script_args),
         module=args.module,
         no_python=args.no_python,
         no_local_rank=args.no_local_rank,

@@ -208,6 +208,36 @@ def descendants(roots: set[int]) -> set[int]:
     return found
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs. A zombie does not, and is left for its parent to reap (a
+    ``Popen`` of the caller's would otherwise lose its exit status)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fd:
+            stat = fd.read()
+        return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def terminate_tree(pid: int, timeout: float = 30.0) -> None:
+    """SIGTERM ``pid`` and all its descendants, then SIGKILL whichever still runs after
+    ``timeout`` seconds (DeepSpeed's ``terminate_process_tree``)."""
+    tree = {pid, *descendants({pid})}
+    for member in tree:
+        _kill_pid(member, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while (alive := {member for member in tree if _alive(member)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for member in alive:
+        _kill_pid(member, signal.SIGKILL)
+
+
 def _pgid(pid: int) -> int:
     try:
         return os.getpgid(pid)

@@ -18,19 +18,49 @@ stops the node's ranks like a Ctrl-C would.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 from collections.abc import Sequence
 
 from ds_launch._agent import PID_FILE_DIR, run_node
-from ds_launch._nodespec import parse_node_argv
-from ds_launch._supervise import set_parent_death_signal
-from ds_launch.api import LaunchError
+from ds_launch._nodespec import parse_node_args, parse_node_argv
+from ds_launch._supervise import set_parent_death_signal, terminate_tree
+from ds_launch.api import DEFAULT_MASTER_PORT, LaunchError
 
-__all__ = ["PID_FILE_BASEPATH", "main"]
+__all__ = [
+    # DeepSpeed's launch.py names
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "PID_FILE_BASEPATH",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "main",
+    "parse_args",
+    "terminate_process_tree",
+]
 
-# Where --save_pid files go (DeepSpeed's launch.py name).
+# Where --save_pid files go.
 PID_FILE_BASEPATH = PID_FILE_DIR
+# The variables holding a rank's node index and the node count.
+CROSS_RANK = "CROSS_RANK"
+CROSS_SIZE = "CROSS_SIZE"
+TORCH_DISTRIBUTED_DEFAULT_PORT = DEFAULT_MASTER_PORT
+
+
+def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
+    """The agent's command line (``sys.argv[1:]`` by default) parsed, with DeepSpeed's
+    ``launch.py`` attribute names (``node_rank``, ``world_info``, ``training_script``,
+    ``training_script_args``...).
+
+    Raises:
+        SystemExit: the arguments do not parse (argparse prints the usage).
+    """
+    return parse_node_args(sys.argv[1:] if args is None else args)
+
+
+def terminate_process_tree(pid: int) -> None:
+    """SIGTERM ``pid`` and every descendant, SIGKILL those still running 30 s later."""
+    terminate_tree(pid, timeout=30.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,11 +16,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ds_launch._exports import ENV_FILE_NAME, EXPORT_PREFIXES
+from ds_launch._exports import EXCLUDE_ENVS as _EXCLUDE_ENVS
 from ds_launch._hostfile import parse_hostfile
 from ds_launch._nodespec import encode_world_info as _encode_world_info
 from ds_launch._resources import select_resources
 from ds_launch._runners import PDSH_FAN_OUT
-from ds_launch.api import DEFAULT_HOSTFILE, LaunchError
+from ds_launch.api import DEFAULT_HOSTFILE, DEFAULT_MASTER_PORT, LaunchError
 from ds_launch.cli import main as _cli_main
 from ds_launch.cli import parse_args as _cli_parse_args
 
@@ -29,8 +30,16 @@ __all__ = [
     "DEEPSPEED_ENVIRONMENT_NAME",
     "DEEPSPEED_ENVIRONMENT_PATHS",
     "DLTS_HOSTFILE",
+    "EXCLUDE_ENVS",
     "EXPORT_ENVS",
+    "IMPI_LAUNCHER",
+    "MPICH_LAUNCHER",
+    "MVAPICH_LAUNCHER",
+    "OPENMPI_LAUNCHER",
+    "PDSH_LAUNCHER",
     "PDSH_MAX_FAN_OUT",
+    "SLURM_LAUNCHER",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT",
     # command line
     "main",
     "parse_args",
@@ -51,6 +60,16 @@ DEEPSPEED_ENVIRONMENT_PATHS = [os.path.expanduser("~"), "."]
 # ['MLFLOW', 'PYTHON', 'MV2', 'UCX'] plus its accelerator's (NCCL); ds-launch's also has FI_.
 EXPORT_ENVS = list(EXPORT_PREFIXES)
 PDSH_MAX_FAN_OUT = PDSH_FAN_OUT
+# When the key is set in the launcher's environment, the listed variables are not exported.
+EXCLUDE_ENVS = {key: list(names) for key, names in _EXCLUDE_ENVS.items()}
+TORCH_DISTRIBUTED_DEFAULT_PORT = DEFAULT_MASTER_PORT
+# --launcher values.
+PDSH_LAUNCHER = "pdsh"
+OPENMPI_LAUNCHER = "openmpi"
+MPICH_LAUNCHER = "mpich"
+IMPI_LAUNCHER = "impi"
+SLURM_LAUNCHER = "slurm"
+MVAPICH_LAUNCHER = "mvapich"
 
 
 def parse_args(args: Sequence[str] | None = None) -> Any:

@@ -8,9 +8,25 @@ from __future__ import annotations
 
 import sys
 
-from ds_launch.node import PID_FILE_BASEPATH, main
+from ds_launch.node import (
+    CROSS_RANK,
+    CROSS_SIZE,
+    PID_FILE_BASEPATH,
+    TORCH_DISTRIBUTED_DEFAULT_PORT,
+    main,
+    parse_args,
+    terminate_process_tree,
+)
 
-__all__ = ["PID_FILE_BASEPATH", "main"]
+__all__ = [
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "PID_FILE_BASEPATH",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "main",
+    "parse_args",
+    "terminate_process_tree",
+]
 
 if __name__ == "__main__":
     sys.exit(main())
