@@ -162,3 +162,35 @@ def _half_set(rank: int, world_size: int) -> str:
 def test_half_set_env_is_a_clear_error() -> None:
     (message,) = run_on_ranks(_half_set, 1, init_process_group=False, fresh=True)
     assert "RANK set but WORLD_SIZE missing" in message
+
+
+def _deepspeed_keywords(rank: int, world_size: int) -> list:
+    import ds_comm
+    from ds_comm.api import DistributedEnvError
+
+    out = []
+    try:  # dist_init_required=False: a group must exist already
+        ds_comm.init_distributed(dist_init_required=False, verbose=False)
+    except DistributedEnvError as exc:
+        out.append(str(exc))
+    previous = ds_comm.configure()
+    try:
+        config = {"train_batch_size": 8, "comms_logger": {"enabled": True, "prof_all": False}}
+        launch = ds_comm.init_distributed(config=config, dist_init_required=True, verbose=False)
+        logger_config = ds_comm.get_comms_logger().config
+        out.append([launch.world_size, logger_config.enabled, logger_config.prof_all])
+        # a config without the section leaves DeepSpeed's defaults; the group is adopted
+        ds_comm.init_distributed(config={"train_batch_size": 8}, dist_init_required=False)
+        out.append(ds_comm.get_comms_logger().config.enabled)
+        ds_comm.configure(deepspeed_config={"comms_logger": {"verbose": True}})
+        out.append(ds_comm.get_comms_logger().config.verbose)
+    finally:
+        ds_comm.configure(previous)
+        ds_comm.destroy_process_group()
+    return out
+
+
+def test_deepspeed_keywords() -> None:
+    (out,) = run_on_ranks(_deepspeed_keywords, 1, init_process_group=False, fresh=True)
+    assert "dist_init_required=False) but no default process group exists" in out[0]
+    assert out[1:] == [[1, True, False], False, True]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +42,8 @@ def init_distributed(
     verbose: bool = True,
     timeout: timedelta = _DEFAULT_TIMEOUT,
     init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
     rank: int = -1,
     world_size: int = -1,
 ) -> LaunchEnv:
@@ -61,6 +63,10 @@ def init_distributed(
         verbose: print one summary line on rank 0.
         timeout: timeout of the default group's collectives.
         init_method: torch rendezvous URL; ``env://`` (from the discovered values) when None.
+        dist_init_required: ``False`` asserts a default group already exists (an error
+            otherwise, as in DeepSpeed); ``None`` or ``True`` create one when there is none.
+        config: a DeepSpeed config dict (or its ``comms_logger`` section, or a
+            :class:`CommsLoggerConfig`) whose ``comms_logger`` settings are applied first.
         rank: explicit global rank, overriding the environment when >= 0.
         world_size: explicit world size, overriding the environment when >= 1.
 
@@ -79,6 +85,15 @@ def init_distributed(
     """
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if config is not None:
+        from ds_comm._logger import configure
+
+        configure(_comms_section(config))
+    if dist_init_required is False and not dist.is_initialized():
+        raise DistributedEnvError(
+            "init_distributed(dist_init_required=False) but no default process group exists; "
+            "initialise torch.distributed first or pass dist_init_required=True"
+        )
     if dist.is_initialized():
         adopted = _adopt_existing(rank, world_size, verbose)
         _forensics.ensure_armed()
@@ -106,6 +121,28 @@ def init_distributed(
             flush=True,
         )
     return launch
+
+
+def _comms_section(config: Any) -> Any:
+    """The ``comms_logger`` settings in ``init_distributed``'s ``config`` (defaults when absent)."""
+    from dataclasses import fields
+
+    from ds_comm.api import CommsLoggerConfig
+
+    if isinstance(config, CommsLoggerConfig):
+        return config
+    if isinstance(config, Mapping):
+        if "comms_logger" in config:
+            return config["comms_logger"]
+        known = {f.name for f in fields(CommsLoggerConfig)}
+        # a bare section, or a whole config without one (DeepSpeed then uses the defaults)
+        return config if config and set(config) <= known else {}
+    section = getattr(config, "comms_logger", None)  # a config object holding the section
+    if section is not None:
+        return section
+    raise TypeError(
+        f"init_distributed(config=...): expected a DeepSpeed config dict, got {type(config).__name__}"
+    )
 
 
 def _discover(

@@ -225,13 +225,14 @@ def configure(
     prof_all: bool | None = None,
     prof_ops: list[str] | tuple[str, ...] | None = None,
     debug: bool | None = None,
+    deepspeed_config: Mapping[str, Any] | None = None,
 ) -> CommsLoggerConfig:
     """Configure comms logging and the debug fingerprint check (DeepSpeed's ``comms_logger``).
 
     ``config`` is a :class:`CommsLoggerConfig`, the ``comms_logger`` dict section, or a whole
     DeepSpeed config dict holding one; keyword arguments override it. Without ``config`` the
     keywords change the current settings. Returns the previous config, like ``numpy.seterr``,
-    so a caller can restore it.
+    so a caller can restore it. ``deepspeed_config`` is DeepSpeed's keyword for ``config``.
 
     ``verbose`` prints one line per logged op on every rank, prefixed ``[Rank r]``: per-rank
     latencies are how a straggler shows. ``debug`` checks that all ranks agree on each
@@ -244,6 +245,10 @@ def configure(
         >>> ds_comm.log_summary()
         >>> ds_comm.configure(previous)
     """
+    if deepspeed_config is not None:
+        if config is not None:
+            raise TypeError("configure: pass config or deepspeed_config, not both")
+        config = deepspeed_config
     if config is None:
         base = _LOGGER.config
     elif isinstance(config, CommsLoggerConfig):
