@@ -81,7 +81,7 @@ EVERY_KEY: dict[str, Any] = {
     "sparse_attention": {},
     "sparse_gradients": False,
     "graph_harvesting": False,
-    "pipeline": {"stages": "auto", "partition": "best"},
+    "pipeline": {"stages": "auto", "partition": "best", "pipe_partitioned": False},
     "timers": {"throughput": {"enabled": True, "synchronized": True}},
     "seed": 1234,
 }
@@ -118,7 +118,7 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
         ("managed_gradient_accumulation", False, "client-managed"),
         ("sparse_gradients", True, "sparse"),
         ("compile", {"deepcompile": True}, "DeepCompile"),
-        ("pipeline", {"pipe_partitioned": False}, "pipeline"),
+        ("pipeline", {"activation_checkpoint_interval": 2}, "pipeline"),
         ("hybrid_engine", {"enabled": True}, "hybrid"),
         ("torch_autocast", {"enabled": True}, "autocast"),
     ],
@@ -237,6 +237,7 @@ def test_steps_per_print_infinity_means_never() -> None:
     cfg = DeepSpeedConfig.from_dict({**BASE, "steps_per_print": float("inf")})
     assert math.isinf(cfg.steps_per_print)
     assert all(step % cfg.steps_per_print != 0 for step in range(1, 1000))
+    assert math.isinf(DeepSpeedConfig.from_dict({**BASE, "steps_per_print": None}).steps_per_print)
     parsed = load_config_dict(base64.urlsafe_b64encode(b'{"steps_per_print": Infinity}').decode())
     assert math.isinf(parsed["steps_per_print"])
     for bad in (0, -1, 2.5, float("nan"), "often"):

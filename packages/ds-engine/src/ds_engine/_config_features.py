@@ -392,6 +392,14 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "activation_checkpoint_interval": 0,
             "pipe_partitioned": True,
             "grad_partitioned": True,
+            "use_reentrant": None,
+        },
+        # Both partitioning switches act only with tensor parallelism (none in ds); ds_pipe
+        # checkpoints non-reentrantly.
+        inert={
+            "pipe_partitioned": (False,),
+            "grad_partitioned": (False,),
+            "use_reentrant": (False,),
         },
     ),
     "timers": NotImplementedFeature(

@@ -92,7 +92,10 @@ def _number(key: str, value: Any, *, minimum: float) -> float:
 
 
 def _steps_per_print(value: Any) -> int | float:
-    """A positive integer, or infinity (never print: what accelerate always sets)."""
+    """A positive integer, or infinity (never print: what accelerate always sets; ``null``,
+    DeepSpeed 0.19's own default, means the same)."""
+    if value is None:
+        return math.inf
     if isinstance(value, float) and math.isinf(value) and value > 0:
         return value
     if isinstance(value, float) and value.is_integer() and value >= 1:
