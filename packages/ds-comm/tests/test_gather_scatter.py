@@ -156,6 +156,22 @@ def _records_body(rank: int, world_size: int) -> list[tuple[str, int, str]]:
     return seen
 
 
+def _debug_body(rank: int, world_size: int) -> list[int]:
+    """gather/scatter/all_to_all with the debug fingerprint check on (per-rank lists differ)."""
+    import ds_comm
+
+    previous = ds_comm.configure(debug=True)
+    try:
+        return [_gather_scatter_body(rank, world_size), _all_to_all_body(rank, world_size)]
+    finally:
+        ds_comm.configure(previous)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_debug_check_accepts_rooted_and_uneven_ops(world_size: int) -> None:
+    assert run_on_ranks(_debug_body, world_size) == [[12 * world_size, 32]] * world_size
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_gather_and_scatter(world_size: int) -> None:
     assert run_on_ranks(_gather_scatter_body, world_size) == [12 * world_size] * world_size
