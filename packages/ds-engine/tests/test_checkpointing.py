@@ -5,6 +5,8 @@ of ``configure`` and the RNG tracker."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -181,7 +183,7 @@ def test_partition_activations_in_cpu() -> None:
     run_on_ranks(_partition_body, 2, True)
 
 
-def test_configure_options() -> None:
+def test_configure_options(tmp_path) -> None:
     from ds_engine import checkpointing
 
     assert checkpointing.is_configured()
@@ -190,8 +192,18 @@ def test_configure_options() -> None:
     assert checkpointing._options.checkpoint_in_cpu and checkpointing._options.num_checkpoints == 4
     checkpointing.configure(None, deepspeed_config=section, checkpoint_in_cpu=False)
     assert not checkpointing._options.checkpoint_in_cpu  # arguments win over the file
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="cpu"):
         checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu": 1}})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **section}))
+    checkpointing.configure(None, deepspeed_config=str(path))
+    assert checkpointing._options.checkpoint_in_cpu
+    from ds_engine import DeepSpeedConfig
+
+    checkpointing.configure(
+        None, deepspeed_config=DeepSpeedConfig.from_dict({"train_batch_size": 8})
+    )
+    assert not checkpointing._options.checkpoint_in_cpu
     with pytest.raises(NotImplementedError, match="contiguous"):
         checkpointing.configure(None, contiguous_checkpointing=True)
     with pytest.raises(ValueError, match="mpu"):

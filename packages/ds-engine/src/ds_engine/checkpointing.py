@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +33,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import ds_comm
 from ds_comm.accelerator import get_accelerator
+from ds_engine._config_load import load_config_dict
+from ds_engine.api import ActivationCheckpointingConfig
 from ds_engine.utils.logging import log_dist
 
 __all__ = [
@@ -176,23 +176,13 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
 
 
 def _section(deepspeed_config: Any) -> dict[str, Any]:
-    """The ``activation_checkpointing`` section of a config dict or JSON file."""
-    if isinstance(deepspeed_config, (str, os.PathLike)):
-        with open(deepspeed_config) as f:
-            deepspeed_config = json.load(f)
-    if not isinstance(deepspeed_config, Mapping):
-        raise TypeError(
-            f"deepspeed_config = {type(deepspeed_config).__name__}: expected a config dict or "
-            "the path of a JSON config file"
-        )
-    section = dict(deepspeed_config.get("activation_checkpointing") or {})
-    unknown = sorted(set(section) - set(_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"activation_checkpointing has unknown keys {unknown}; the keys are "
-            f"{sorted(_CONFIG_KEYS)}"
-        )
-    return {_CONFIG_KEYS[k]: v for k, v in section.items()}
+    """The ``activation_checkpointing`` section of a config (a ``DeepSpeedConfig``, a dict, or
+    a JSON / HJSON / base64 config as ``deepspeed.initialize`` takes), validated."""
+    section = getattr(deepspeed_config, "activation_checkpointing", None)
+    if not isinstance(section, ActivationCheckpointingConfig):
+        raw = load_config_dict(deepspeed_config).get("activation_checkpointing")
+        section = ActivationCheckpointingConfig.from_dict(raw)
+    return {_CONFIG_KEYS[k]: getattr(section, k) for k in _CONFIG_KEYS}
 
 
 def configure(
@@ -211,7 +201,8 @@ def configure(
     Args:
         mpu_: the model-parallel unit (``get_model_parallel_group`` / ``_rank`` /
             ``_world_size``); needed for ``partition_activations``.
-        deepspeed_config: a config dict or JSON file path.
+        deepspeed_config: a ``DeepSpeedConfig``, a config dict, or a config file path (JSON,
+            HJSON) or base64 string.
         partition_activations: keep ``1/mp`` of each saved input per model-parallel rank.
         contiguous_checkpointing: not implemented (refused when true).
         num_checkpoints: number of checkpoints per forward (sizes contiguous buffers).
