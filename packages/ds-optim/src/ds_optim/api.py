@@ -277,6 +277,23 @@ class FP16Config:
         """True when ``loss_scale`` is 0 (DeepSpeed's switch to dynamic scaling)."""
         return self.loss_scale == 0.0
 
+    @property
+    def initial_dynamic_scale(self) -> int:
+        """``2**initial_scale_power``: where dynamic scaling starts (DeepSpeed's name)."""
+        return 2**self.initial_scale_power
+
+    @property
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """DeepSpeed's ``dynamic_loss_scale_args()``: the dynamic scaler's settings under its
+        argument names (``init_scale``, ``scale_window``, ``delayed_shift``, ...)."""
+        return {
+            "init_scale": self.initial_dynamic_scale,
+            "scale_window": self.loss_scale_window,
+            "delayed_shift": self.hysteresis,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+            "min_scale": self.min_loss_scale,
+        }
+
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> FP16Config:
         """Build from the JSON ``fp16`` section; unknown keys are errors with a suggestion and
