@@ -367,6 +367,7 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "wall_clock_breakdown": False,
     "memory_breakdown": False,
     "gradient_predivide_factor": 1.0,
+    "postscale_gradients": True,
     "zero_allow_untested_optimizer": False,
     "zero_force_ds_cpu_optimizer": True,
     "dataloader_drop_last": False,
@@ -375,6 +376,8 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "fp16_enabled": False,
     "fp16_auto_cast": False,
     "loss_scale": 0.0,
+    "dynamic_loss_scale": True,
+    "initial_dynamic_scale": 65536,
     "fp16_master_weights_and_gradients": False,
     "bfloat16_enabled": False,
     "bf16_master_weights_and_gradients": False,
@@ -386,6 +389,10 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "checkpoint_serialization_enabled": True,
     "checkpoint_writer_enabled": False,
     "zero_optimization_stage": 0,
+    "zero_optimization": False,
+    "zero_optimization_partition_gradients": False,
+    "zero_optimization_partition_weights": False,
+    "zero_use_cpu_optimizer": False,
     "zero_contiguous_gradients": True,
     "zero_reduce_scatter": True,
     "zero_reduce_bucket_size": 500_000_000,
@@ -446,6 +453,7 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
     ],
     "autotp_size": 0,
     "managed_gradient_accumulation": True,
+    "is_deepcompile_enabled": False,
 }
 # Accessors that return a section (DeepSpeed: a dict or a model), with one key each must hold.
 SECTION_ACCESSORS = {
@@ -455,6 +463,7 @@ SECTION_ACCESSORS = {
     "curriculum_learning_config": ("enabled", False),
     "random_ltd_config": ("enabled", False),
     "tensor_parallel_config": ("autotp_size", 0),
+    "dynamic_loss_scale_args": ("init_scale", 65536),
     "cpuadam_cores_perc": None,  # 0.8 (the model's default; DeepSpeed says 0.9 with no section)
     "steps_per_print": None,  # 10, the documented default (DeepSpeed 0.19's code says None)
 }

@@ -3,9 +3,10 @@
 ``engine.zero_reduce_bucket_size()`` & co. only return a config value. This table says where
 each value lives in a parsed :class:`ds_engine.DeepSpeedConfig` (attributes, then keys of a
 mapping such as ``zero_optimization.unimplemented``); the engine turns every row into a method.
-Accessors whose value is derived rather than stored (``dynamic_loss_scale()`` is
-``fp16.loss_scale == 0``, ``zero_cpu_offload()`` compares a device, ``optimizer_name()`` reads
-an optional section) are not rows: the engine writes them out.
+Values DeepSpeed derives are properties of the models (``dynamic_loss_scale()`` is
+``fp16.dynamic_loss_scale``, ``loss_scale == 0``); accessors that read optional sections
+(``optimizer_name()``) or runtime state (``zero_nvme_offload_optimizer()``) are not rows: the
+engine writes them out.
 
 Paths start at the config object and read typed fields: resolve each part with ``getattr``
 first, and index only objects without that attribute (``DeepSpeedConfig`` is itself a mapping
@@ -30,6 +31,7 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "wall_clock_breakdown": "wall_clock_breakdown",
     "memory_breakdown": "memory_breakdown",
     "gradient_predivide_factor": "gradient_predivide_factor",
+    "postscale_gradients": "postscale_gradients",
     "zero_allow_untested_optimizer": "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer",
     "dataloader_drop_last": "dataloader_drop_last",
@@ -40,6 +42,9 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "fp16_enabled": "fp16.enabled",
     "fp16_auto_cast": "fp16.auto_cast",
     "loss_scale": "fp16.loss_scale",
+    "dynamic_loss_scale": "fp16.dynamic_loss_scale",
+    "initial_dynamic_scale": "fp16.initial_dynamic_scale",
+    "dynamic_loss_scale_args": "fp16.dynamic_loss_scale_args",
     "fp16_master_weights_and_gradients": "fp16.fp16_master_weights_and_grads",
     "bfloat16_enabled": "bf16.enabled",
     "bf16_master_weights_and_gradients": "bf16.bf16_master_weights_and_grads",
@@ -53,6 +58,10 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "checkpoint_writer_enabled": "checkpoint.writer_enabled",
     # ZeRO
     "zero_optimization_stage": f"{_ZERO}.stage",
+    "zero_optimization": f"{_ZERO}.shard_optimizer_state",
+    "zero_optimization_partition_gradients": f"{_ZERO}.shard_gradients",
+    "zero_optimization_partition_weights": f"{_ZERO}.shard_parameters",
+    "zero_use_cpu_optimizer": f"{_ZERO}.offload_optimizer.enabled",
     "zero_contiguous_gradients": f"{_ZERO}.contiguous_gradients",
     "zero_reduce_scatter": f"{_ZERO}.reduce_scatter",
     "zero_reduce_bucket_size": f"{_ZERO}.reduce_bucket_size",
@@ -126,4 +135,5 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "tensor_parallel_config": f"{_FEATURES}.tensor_parallel",
     "autotp_size": f"{_FEATURES}.tensor_parallel.autotp_size",
     "managed_gradient_accumulation": f"{_FEATURES}.managed_gradient_accumulation",
+    "is_deepcompile_enabled": f"{_FEATURES}.compile.deepcompile",
 }

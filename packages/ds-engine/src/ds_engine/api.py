@@ -284,6 +284,11 @@ class DeepSpeedConfig(Mapping[str, Any]):
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     @property
+    def postscale_gradients(self) -> bool:
+        """DeepSpeed's ``postscale_gradients()``: gradients are scaled after the reduction."""
+        return not self.prescale_gradients
+
+    @property
     def model_dtype(self) -> torch.dtype:
         """The torch dtype the engine gives the model's weights."""
         return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
