@@ -248,5 +248,12 @@ def test_zero_to_fp32(tmp_path: Path, stage: int) -> None:
     model = load_state_dict_from_zero_checkpoint(make_mlp(seed=9), tmp_path / "ckpt")
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), want[name]), name
+    from ds_engine.utils.zero_to_fp32 import main
+
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--safe_serialization"]) == 0
+    raw = (tmp_path / "cli" / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert {n for n in header if n != "__metadata__"} == set(want)
+    assert {header[n]["dtype"] for n in want} == {"F32"}
     with pytest.raises(NotImplementedError, match="lazy_mode"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", lazy_mode=True)

@@ -1,5 +1,7 @@
 """``deepspeed.utils.zero_to_fp32``: one fp32 state dict from a ZeRO checkpoint, over ds-zero's
-consolidation (``ds_zero.consolidate``, ``export_safetensors``).
+consolidation (``ds_zero.consolidate``, ``export_safetensors``), and DeepSpeed's script:
+``python -m ds_engine.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG]
+[--safe_serialization] [--max_shard_size 5GB]``.
 
 These read checkpoints written by ds (``engine.save_checkpoint`` or
 ``ds_zero.save_sharded_checkpoint``) of any stage and world size. Checkpoints written by
@@ -10,9 +12,11 @@ DeepSpeed-layout helpers that parse them (``get_optim_files``, ``get_model_state
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +24,7 @@ import torch
 import ds_zero
 
 __all__ = [
+    "main",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
@@ -148,3 +153,35 @@ def load_state_dict_from_zero_checkpoint(
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """DeepSpeed's ``zero_to_fp32.py`` command line."""
+    parser = argparse.ArgumentParser(
+        prog="zero_to_fp32",
+        description="Write a ds ZeRO checkpoint as fp32 weight files (DeepSpeed's zero_to_fp32.py).",
+        allow_abbrev=False,
+    )
+    parser.add_argument("checkpoint_dir", help="the save_dir holding 'latest', or a tag folder")
+    parser.add_argument("output_dir", help="folder for pytorch_model.bin / model.safetensors")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest file (default 5GB)")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: latest)")
+    parser.add_argument(
+        "--exclude_frozen_parameters", action="store_true", help="not implemented in ds"
+    )
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted; prints nothing more")
+    args = parser.parse_args(argv)
+    convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        safe_serialization=args.safe_serialization,
+        tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
