@@ -1,6 +1,6 @@
 """``deepspeed.utils``: logging, process groups, parameter access across ZeRO partitions
 (``safe_get_full_fp32_param`` and siblings), ZeRO-3 leaf modules, ``OnDevice``,
-``RepeatingLoader`` and ``zero_to_fp32``."""
+``RepeatingLoader``, timers and ``zero_to_fp32``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from ds_engine.utils.logging import (
 from ds_engine.utils import groups
 from ds_engine.utils._repeating import RepeatingLoader
 from ds_engine.utils.init_on_device import OnDevice
+from ds_engine.utils.module_utils import recursive_getattr, recursive_setattr
+from ds_engine.utils.nvtx import instrument_w_nvtx
 from ds_engine.utils.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -79,7 +81,10 @@ __all__ = [
     "set_z3_leaf_modules_by_suffix",
     "z3_leaf_module",
     "z3_leaf_parameter",
-    # modules and data
+    # modules, data, profiling
     "OnDevice",
     "RepeatingLoader",
+    "recursive_getattr",
+    "recursive_setattr",
+    "instrument_w_nvtx",
 ]

@@ -1,0 +1,313 @@
+"""``deepspeed.utils.timer``: named wall-clock timers (``SynchronizedWallClockTimer``, Megatron's
+design) and a samples-per-second meter (``ThroughputTimer``).
+
+Timers read the host clock after synchronizing the accelerator, so a stop includes the device
+work queued before it; on CUDA with device timers (``use_host_timers()`` False) they record
+accelerator events instead and read them when the elapsed time is asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ds_comm.accelerator import get_accelerator
+from ds_engine.utils.logging import logger, print_dist
+
+__all__ = [
+    "BACKWARD_GLOBAL_TIMER",
+    "BACKWARD_MICRO_TIMER",
+    "FORWARD_GLOBAL_TIMER",
+    "FORWARD_MICRO_TIMER",
+    "STEP_GLOBAL_TIMER",
+    "STEP_MICRO_TIMER",
+    "NoopTimer",
+    "SynchronizedWallClockTimer",
+    "ThroughputTimer",
+    "trim_mean",
+]
+
+FORWARD_MICRO_TIMER = "fwd_microstep"
+FORWARD_GLOBAL_TIMER = "fwd"
+BACKWARD_MICRO_TIMER = "bwd_microstep"
+BACKWARD_GLOBAL_TIMER = "bwd"
+STEP_MICRO_TIMER = "step_microstep"
+STEP_GLOBAL_TIMER = "step"
+_EPSILON = 1e-6
+_GIB = 1024**3
+
+
+def trim_mean(data: Sequence[float], trim_percent: float) -> float:
+    """Mean of ``data`` without the lowest and highest ``trim_percent`` of it (0 when empty)."""
+    if not 0.0 <= trim_percent <= 1.0:
+        raise ValueError(f"trim_percent = {trim_percent}: expected a fraction in [0, 1]")
+    ordered = sorted(data)
+    if not ordered:
+        return 0.0
+    k = round(len(ordered) * trim_percent)
+    kept = ordered[k : len(ordered) - k] or ordered
+    return sum(kept) / len(kept)
+
+
+class SynchronizedWallClockTimer:
+    """A group of named timers: ``timers("fwd").start()`` ... ``.stop()``, then
+    :meth:`log` or ``elapsed``.
+
+    Example:
+        >>> timers = SynchronizedWallClockTimer()
+        >>> timers("fwd").start(); loss = model(batch); timers("fwd").stop()
+        >>> timers.log(["fwd"])  # "time (ms) | fwd: 12.34" on rank 0
+    """
+
+    class Timer:
+        """One named timer accumulating start/stop intervals (milliseconds)."""
+
+        def __init__(self, name: str) -> None:
+            self.name_ = name
+            self.started_ = False
+            self.use_host_timer = get_accelerator().use_host_timers()
+            self._start: Any = None
+            self._intervals: list[Any] = []  # seconds, or (start, end) events
+            self.elapsed_records: list[float] | None = None
+
+        def start(self) -> None:
+            """Start timing; starting a started timer is an error."""
+            if self.started_:
+                raise RuntimeError(f"timer {self.name_!r} has already been started")
+            if self.use_host_timer:
+                get_accelerator().synchronize()
+                self._start = time.perf_counter()
+            else:
+                self._start = get_accelerator().Event(enable_timing=True)
+                self._start.record()
+            self.started_ = True
+
+        def stop(self, reset: bool = False, record: bool = False) -> None:
+            """Stop timing and keep the interval (``reset``/``record``: DeepSpeed's, unused)."""
+            del reset, record
+            if not self.started_:
+                raise RuntimeError(f"timer {self.name_!r} is not started")
+            if self.use_host_timer:
+                get_accelerator().synchronize()
+                self._intervals.append(time.perf_counter() - self._start)
+            else:
+                end = get_accelerator().Event(enable_timing=True)
+                end.record()
+                self._intervals.append((self._start, end))
+            self.started_ = False
+
+        def _records(self) -> list[float]:
+            out = []
+            for item in self._intervals:
+                if isinstance(item, tuple):
+                    item[1].synchronize()
+                    out.append(float(item[0].elapsed_time(item[1])))
+                else:
+                    out.append(item * 1000.0)
+            self.elapsed_records = out
+            return out
+
+        def reset(self) -> None:
+            """Forget every interval and stop."""
+            self.started_, self._start = False, None
+            self._intervals.clear()
+            self.elapsed_records = None
+
+        def elapsed(self, reset: bool = True) -> float:
+            """Milliseconds timed so far (a running timer is included and keeps running)."""
+            running = self.started_
+            if running:
+                self.stop()
+            total = sum(self._records())
+            if reset:
+                self.reset()
+            if running:
+                self.start()
+            return total
+
+        def mean(self) -> float:
+            """Trimmed mean (10%) of the intervals, in milliseconds."""
+            self.elapsed(reset=False)
+            return trim_mean(self.elapsed_records or [], 0.1)
+
+    def __init__(self) -> None:
+        self.timers: dict[str, SynchronizedWallClockTimer.Timer] = {}
+
+    def get_timers(self) -> dict[str, SynchronizedWallClockTimer.Timer]:
+        """Name -> timer."""
+        return self.timers
+
+    def __call__(self, name: str) -> SynchronizedWallClockTimer.Timer:
+        if name not in self.timers:
+            self.timers[name] = self.Timer(name)
+        return self.timers[name]
+
+    @staticmethod
+    def memory_usage() -> str:
+        """The accelerator's allocated / cached memory, formatted for :meth:`log`."""
+        acc = get_accelerator()
+        return (
+            f" | mem_allocated: {acc.memory_allocated() / _GIB:.4f} GB"
+            f" | max_mem_allocated: {acc.max_memory_allocated() / _GIB:.4f} GB"
+            f" | cache_allocated: {acc.memory_cached() / _GIB:.4f} GB"
+            f" | max_cache_allocated: {acc.max_memory_cached() / _GIB:.4f} GB"
+        )
+
+    def log(
+        self,
+        names: Iterable[str],
+        normalizer: float = 1.0,
+        reset: bool = True,
+        memory_breakdown: bool = False,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Print ``time (ms) | name: value ...`` for the named timers on ``ranks`` (rank 0)."""
+        if not normalizer > 0.0:
+            raise ValueError(f"normalizer = {normalizer}: expected > 0")
+        line = "time (ms)"
+        for name in names:
+            if name in self.timers:
+                line += f" | {name}: {self.timers[name].elapsed(reset=reset) / normalizer:.2f}"
+        if memory_breakdown:
+            line += self.memory_usage()
+        print_dist(line, ranks=list(ranks) if ranks else [0])
+
+    def get_mean(
+        self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True
+    ) -> dict[str, float]:
+        """Name -> trimmed mean interval (ms) / ``normalizer`` (``reset``: DeepSpeed's, unused)."""
+        del reset
+        if not normalizer > 0.0:
+            raise ValueError(f"normalizer = {normalizer}: expected > 0")
+        return {n: self.timers[n].mean() / normalizer for n in names if n in self.timers}
+
+
+class NoopTimer:
+    """A :class:`SynchronizedWallClockTimer` stand-in that measures nothing (timers off)."""
+
+    class Timer:
+        def start(self) -> None: ...
+
+        def reset(self) -> None: ...
+
+        def stop(self, **kwargs: Any) -> None: ...
+
+        def elapsed(self, **kwargs: Any) -> float:
+            return 0.0
+
+        def mean(self) -> float:
+            return 0.0
+
+    def __init__(self) -> None:
+        self.timer = self.Timer()
+
+    def __call__(self, name: str) -> NoopTimer.Timer:
+        return self.timer
+
+    def get_timers(self) -> dict[str, Any]:
+        return {}
+
+    def log(self, names: Iterable[str], *args: Any, **kwargs: Any) -> None: ...
+
+    def get_mean(self, names: Iterable[str], *args: Any, **kwargs: Any) -> dict[str, float]:
+        return {}
+
+
+class ThroughputTimer:
+    """Samples per second over optimizer steps, after ``start_step`` warm-up steps.
+
+    Args:
+        config: anything with ``enabled`` and ``synchronized`` (DeepSpeed's ``timers.throughput``
+            section).
+        batch_size: samples per optimizer step (the global batch).
+        start_step: steps not counted (warm-up).
+        steps_per_output: log every this many steps (None: never).
+        monitor_memory: also log host memory use (needs ``psutil``).
+        logging_fn: where lines go (default: the DeepSpeed logger's ``info``).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        batch_size: int | None,
+        start_step: int = 2,
+        steps_per_output: int | None = None,
+        monitor_memory: bool = False,
+        logging_fn: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step, self.steps_per_output = start_step, steps_per_output
+        self.monitor_memory = monitor_memory
+        self.logging = logging_fn if logging_fn is not None else logger.info
+        if monitor_memory:
+            import psutil  # noqa: F401  (fails here, not at the first report)
+        self.start_time = self.end_time = 0.0
+        self.started = self.initialized = False
+        self.epoch_count = self.micro_step_count = self.global_step_count = 0
+        self.total_elapsed_time = self.step_elapsed_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        """Start a new epoch."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        """Start timing a micro-step (only counted after ``start_step`` steps)."""
+        if not self.config.enabled:
+            return
+        self.initialized = self.started = True
+        if self.global_step_count >= self.start_step:
+            if self.config.synchronized:
+                get_accelerator().synchronize()
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """Stop timing; ``global_step`` closes an optimizer step (and may log)."""
+        if not self.config.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time <= 0:
+            return
+        if self.config.synchronized:
+            get_accelerator().synchronize()
+        self.end_time = time.time()
+        duration = self.end_time - self.start_time
+        self.total_elapsed_time += duration
+        self.step_elapsed_time += duration
+        if not global_step:
+            return
+        every = self.steps_per_output
+        if report_speed and every and self.global_step_count % every == 0:
+            self._report()
+        self.step_elapsed_time = 0.0
+
+    def _report(self) -> None:
+        acc = get_accelerator()
+        self.logging(
+            f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+            f"global_step={self.global_step_count}, "
+            f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
+            f"CurrSamplesPerSec={self.batch_size / (self.step_elapsed_time + _EPSILON)}, "
+            f"MemAllocated={round(acc.memory_allocated() / _GIB, 2)}GB, "
+            f"MaxMemAllocated={round(acc.max_memory_allocated() / _GIB, 2)}GB"
+        )
+        if self.monitor_memory:
+            import psutil
+
+            self.logging(
+                f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+                f"global_step={self.global_step_count}, vm %: "
+                f"{psutil.virtual_memory().percent}, swap %: {psutil.swap_memory().percent}"
+            )
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the counted steps (-inf before any step)."""
+        counted = self.global_step_count - self.start_step
+        if self.global_step_count > 0 and counted > 0 and self.total_elapsed_time > 0:
+            return self.batch_size / (self.total_elapsed_time / counted)
+        return float("-inf")

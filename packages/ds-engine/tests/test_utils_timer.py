@@ -1,0 +1,98 @@
+"""``deepspeed.utils.timer``, ``nvtx`` and ``module_utils``: timers measure what ran between
+start and stop, the throughput meter counts samples after its warm-up steps, instrumented
+functions appear as profiler ranges, dotted attribute access."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+def test_wall_clock_timers() -> None:
+    from ds_engine.utils.timer import SynchronizedWallClockTimer, trim_mean
+
+    timers = SynchronizedWallClockTimer()
+    for _ in range(3):
+        timers("sleep").start()
+        time.sleep(0.02)
+        timers("sleep").stop()
+    with pytest.raises(RuntimeError, match="not started"):
+        timers("sleep").stop()
+    assert 15.0 <= timers("sleep").mean() <= 200.0
+    total = timers("sleep").elapsed(reset=True)
+    assert 55.0 <= total <= 600.0 and timers("sleep").elapsed() == 0.0
+    timers("run").start()
+    with pytest.raises(RuntimeError, match="already been started"):
+        timers("run").start()
+    assert timers("run").elapsed(reset=False) >= 0.0 and timers("run").started_
+    assert set(timers.get_mean(["sleep", "run", "absent"])) == {"sleep", "run"}
+    assert trim_mean([1.0, 2.0, 3.0, 100.0], 0.25) == 2.5 and trim_mean([], 0.1) == 0.0
+
+
+def test_timer_log(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_engine.utils.timer import NoopTimer, SynchronizedWallClockTimer
+
+    timers = SynchronizedWallClockTimer()
+    timers("fwd").start()
+    timers("fwd").stop()
+    timers.log(["fwd"], memory_breakdown=True)
+    out = capsys.readouterr().out
+    assert "time (ms) | fwd: " in out and "mem_allocated" in out
+    noop = NoopTimer()
+    noop("x").start()
+    assert noop("x").elapsed() == 0.0 and noop.get_timers() == {}
+
+
+def test_throughput_timer() -> None:
+    from ds_engine.utils.timer import ThroughputTimer
+
+    lines: list[str] = []
+    meter = ThroughputTimer(
+        SimpleNamespace(enabled=True, synchronized=True),
+        batch_size=8,
+        start_step=1,
+        steps_per_output=2,
+        logging_fn=lines.append,
+    )
+    assert meter.avg_samples_per_sec() == float("-inf")
+    for _ in range(5):
+        meter.start()
+        time.sleep(0.01)
+        meter.stop(global_step=True)
+    assert meter.global_step_count == 5 and meter.micro_step_count == 5
+    rate = meter.avg_samples_per_sec()
+    assert 8 / 0.5 < rate < 8 / 0.009  # 8 samples per ~10 ms step
+    assert len(lines) == 2 and "global_step=4" in lines[1] and "SamplesPerSec" in lines[1]
+    off = ThroughputTimer(SimpleNamespace(enabled=False, synchronized=False), batch_size=8)
+    off.start()
+    off.stop(global_step=True)
+    assert off.global_step_count == 0
+
+
+def test_instrument_w_nvtx_records_a_range() -> None:
+    from ds_engine.utils import instrument_w_nvtx
+
+    @instrument_w_nvtx
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert torch.equal(scaled(torch.ones(2)), torch.full((2,), 2.0))
+    names = {e.name for e in prof.events()}
+    assert any("scaled" in n for n in names), sorted(names)[:20]
+    assert scaled.__name__ == "scaled"
+
+
+def test_recursive_attributes() -> None:
+    from ds_engine.utils import recursive_getattr, recursive_setattr
+
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert recursive_getattr(model, "0.0") is model[0][0]
+    new = torch.nn.Linear(2, 3)
+    recursive_setattr(model, "0.0", new)
+    assert model[0][0] is new
+    recursive_setattr(model, "extra", torch.nn.ReLU())
+    assert isinstance(model.extra, torch.nn.ReLU)
