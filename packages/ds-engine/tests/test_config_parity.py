@@ -61,7 +61,7 @@ EVERY_KEY: dict[str, Any] = {
     "sequence_parallel_size": 1,
     "seq_parallel_communication_data_type": "fp32",
     "use_data_before_expert_parallelism": False,
-    "gradient_allreduce_op": "mean",
+    "gradient_allreduce_op": "MEAN",
     "managed_gradient_accumulation": True,
     "disable_allgather": False,
     "disable_python_gc": False,

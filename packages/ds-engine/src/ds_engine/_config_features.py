@@ -149,6 +149,8 @@ def _same(value: Any, default: Any) -> bool:
         return all(k in default and _same(v, default[k]) for k, v in value.items())
     if isinstance(value, bool) or isinstance(default, bool):
         return value is default
+    if isinstance(value, str) and isinstance(default, str):
+        return value.lower() == default.lower()  # DeepSpeed lower-cases its names ("MEAN")
     return bool(value == default)
 
 
