@@ -141,7 +141,7 @@ def _accessors_body(rank: int, world_size: int) -> dict:
     engine.set_gradient_accumulation_boundary(None)
     assert not engine.is_gradient_accumulation_boundary()
     other = engine.deepspeed_io(make_dataset(24), batch_size=3)
-    breakdown = engine.memory_breakdown()
+    breakdown = engine.memory_usage()
     engine.eval()
     evaluating = not engine.module.training
     engine.train()

@@ -264,7 +264,7 @@ def save_16bit_model(
     exclude_frozen: bool,
 ) -> bool:
     """Write ``save_dir/save_filename`` (see ``DeepSpeedEngine.save_16bit_model``)."""
-    zero = engine.config.zero_optimization
+    zero = engine._config.zero_optimization
     rank = engine.global_rank
     if _partitioned_keys(engine.module) and not zero.stage3_gather_16bit_weights_on_model_save:
         engine.progress.write(
@@ -347,7 +347,9 @@ def load_checkpoint(
     _load_module(engine, path, state["module"], strict, partitioned)
     optimizer = engine.optimizer
     from_shards = optimizer_states and isinstance(optimizer, _ZERO)
-    if partitioned and not (from_shards and engine.config.zero_optimization.load_from_fp32_weights):
+    if partitioned and not (
+        from_shards and engine._config.zero_optimization.load_from_fp32_weights
+    ):
         _load_weights_from_shards(engine, path / _zero_dir(engine))
     if from_shards:
         load_sharded_checkpoint(path / _zero_dir(engine), optimizer)

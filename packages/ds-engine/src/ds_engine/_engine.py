@@ -19,11 +19,15 @@ import torch
 from torch import nn
 
 import ds_comm
-from ds_engine._accessors import ConfigAccessors
-from ds_engine._loader import DeepSpeedDataLoader
+from ds_engine._absent import ABSENT, absent_error
+from ds_engine._accessors import install_config_accessors
+from ds_engine._engine_surface import EngineSurface
+from ds_engine._loader import DeepSpeedDataLoader, build_loader
 from ds_engine._local_step import SelfReducingStep
 from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
+from ds_engine._monitor import build_monitor
 from ds_engine._nvme import nvme_swapper
+from ds_engine._placement import cast_parameters, config_as_dict, engine_device, move_module
 from ds_engine._progress import Progress, Timers, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
@@ -42,7 +46,7 @@ def _dp_group_of(mpu: Any) -> tuple[Any, int, int]:
     return group, ds_comm.get_rank(group), ds_comm.get_world_size(group)
 
 
-class DeepSpeedEngine(ConfigAccessors, nn.Module):
+class DeepSpeedEngine(EngineSurface, nn.Module):
     """Trains ``model`` as ``config`` says (see [Note: what the engine adds to ds-zero]).
 
     Build it with :func:`ds_engine.initialize`. The loop is DeepSpeed's::
@@ -74,20 +78,23 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         mpu: Any = None,
         training_data: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        config_dict: Mapping[str, Any] | None = None,
+        device_rank: int | None = None,
     ) -> None:
         super().__init__()
         self.module = model
-        self.config = config
+        self._config = config
+        self.config = dict(config_dict) if config_dict is not None else config_as_dict(config)
         self.mpu = mpu
-        self.dp_group, self.dp_rank, self.dp_world_size = _dp_group_of(mpu)
-        self.global_rank = ds_comm.get_rank() if ds_comm.is_initialized() else 0
+        self._place(model, device_rank)
         if config.comms_logger.enabled:
             ds_comm.configure(config.comms_logger)
-        low = _LOW.get(config.param_dtype_name)
-        if low is not None:
-            model.to(low)
+        cast_parameters(model, _LOW.get(config.param_dtype_name))
         self.expert_groups = configure_experts(model, mpu)
         client = self._build_client_optimizer(optimizer, model_parameters)
+        self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.basic_optimizer = client
+        self.client_lr_scheduler = lr_scheduler
         self.self_reducing = bool(getattr(client, "reduces_gradients", False))
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
         self.optimizer: Any = self._wrap(client) if client is not None else None
@@ -96,14 +103,34 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._step_applied = False
         self._boundary: bool | None = None
         self._losses: list[torch.Tensor] = []
         self.timers = Timers(config.wall_clock_breakdown)
         self.progress = Progress(rank=self.global_rank, steps_per_print=config.steps_per_print)
+        self.monitor = build_monitor(config, rank=self.global_rank)
         self.training_dataloader: DeepSpeedDataLoader | None = None
         if training_data is not None:
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
         self.progress.write(numerics_table(config, self_reducing=self.self_reducing))
+
+    def _place(self, model: nn.Module, device_rank: int | None) -> None:
+        """Ranks, group sizes and the device (see [Note: where the engine puts the model])."""
+        self.dp_group, self.dp_rank, self.dp_world_size = _dp_group_of(self.mpu)
+        initialized = ds_comm.is_initialized()
+        self.global_rank = ds_comm.get_rank() if initialized else 0
+        self.world_size = ds_comm.get_world_size() if initialized else 1
+        self.local_rank = ds_comm.get_local_rank()
+        self.mp_world_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
+        # No sequence parallelism: its data-parallel product is the data-parallel size.
+        self.seq_dp_world_size = self.dp_world_size
+        self.device = engine_device(self.local_rank if device_rank is None else device_rank)
+        move_module(model, self.device)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ABSENT:
+            raise absent_error("DeepSpeedEngine", name)
+        return super().__getattr__(name)
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -111,7 +138,7 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         params = model_parameters if model_parameters is not None else self.module.parameters()
         if self.expert_groups is not None:
             params = moe_param_groups(params)
-        section = self.config.optimizer
+        section = self._config.optimizer
         if optimizer is not None and section is not None:
             raise ConfigError(
                 "optimizer: both a client optimizer and an 'optimizer' config section were "
@@ -126,12 +153,12 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         return build_optimizer(
             section,
             params,
-            offload=self.config.zero_optimization.offload_optimizer.enabled,
+            offload=self._config.zero_optimization.offload_optimizer.enabled,
             group=self.dp_group,
         )
 
     def _wrap(self, client: torch.optim.Optimizer) -> Any:
-        config = self.config
+        config = self._config
         if self.self_reducing:
             if self.expert_groups is not None:
                 raise ConfigError(
@@ -178,7 +205,7 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None and self.config.scheduler is not None:
+        if lr_scheduler is not None and self._config.scheduler is not None:
             raise ConfigError(
                 "scheduler: both a client lr_scheduler and a 'scheduler' config section were "
                 "given; remove one of them"
@@ -190,15 +217,15 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
             if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
                 return lr_scheduler(torch_optimizer)
             return lr_scheduler
-        if self.config.scheduler is None:
+        if self._config.scheduler is None:
             return None
-        return build_lr_scheduler(self.config.scheduler, torch_optimizer)
+        return build_lr_scheduler(self._config.scheduler, torch_optimizer)
 
     # --- training --------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module (floating-point inputs cast to fp16 with ``fp16.auto_cast``)."""
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+        if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
         with self.timers("forward"):
@@ -216,20 +243,30 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
         """Backpropagate ``loss`` (divided by the accumulation steps unless ``scale_wrt_gas`` is
-        False), with the fp16 loss scale, and reduce gradients when due."""
+        False), with the fp16 loss scale, and reduce gradients when due.
+
+        Returns:
+            the loss as backpropagated before loss scaling: ``loss / gradient_accumulation_steps``
+            (``loss`` itself with ``scale_wrt_gas=False``), as DeepSpeed 0.19 returns it.
+        """
         optimizer = self._require_optimizer()
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(
+                f"backward(loss): expected a scalar loss tensor, got "
+                f"{tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__}"
+            )
         self._losses.append(loss.detach())
-        if not scale_wrt_gas:
-            loss = loss * self.config.gradient_accumulation_steps
+        gas = self._config.gradient_accumulation_steps
         with self.timers("backward"):
-            optimizer.backward(loss, retain_graph=retain_graph)
-        return loss
+            # The optimizer divides by the accumulation steps; undo that when not wanted.
+            optimizer.backward(loss if scale_wrt_gas else loss * gas, retain_graph=retain_graph)
+        return loss / gas if scale_wrt_gas else loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window."""
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Override the boundary (pipeline schedules); None returns to counting micro-batches."""
@@ -246,7 +283,7 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
             ...     engine.backward(engine(batch_a))
             >>> engine.backward(engine(batch_b))  # reduces both
         """
-        if self.config.zero_optimization.stage >= 2:
+        if self._config.zero_optimization.stage >= 2:
             raise RuntimeError(
                 f"no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
                 "stage 2 reduces every micro-batch into its gradient shard (as in DeepSpeed)"
@@ -259,12 +296,14 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         finally:
             optimizer.set_gradient_accumulation_boundary(previous)
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """Call after every ``backward``: steps the optimizer and the LR schedule at the
-        accumulation boundary (the schedule not on steps skipped for fp16 overflow)."""
+        accumulation boundary (the schedule not on steps skipped for fp16 overflow, with
+        ``lr_kwargs`` as keyword arguments of its ``step``)."""
         optimizer = self._require_optimizer()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._step_applied = False
         if not boundary:
             return
         before = (optimizer.global_steps, optimizer.skipped_steps)
@@ -275,24 +314,31 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         if not (stepped or skipped):
             return
         self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
+        self.global_samples += self._config.train_batch_size
         if skipped:
             self.skipped_steps += 1
             self.progress.write(
                 f"step {self.global_steps}: fp16 gradient overflow, step skipped on all ranks; "
                 f"loss scale -> {optimizer.loss_scale:g}"
             )
-        elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        else:
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         self._report()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` changed the parameters: False off the accumulation
+        boundary and on steps skipped for fp16 overflow."""
+        return self._step_applied
 
     def _report(self) -> None:
         loss = None
         if self._losses:
             loss = float(torch.stack([x.float() for x in self._losses]).mean())
             self._losses.clear()
-        printing = self.global_steps % self.config.steps_per_print == 0
-        timers = self.timers.summary(self.config.steps_per_print) if printing else ""
+        printing = self.global_steps % self._config.steps_per_print == 0
+        timers = self.timers.summary(self._config.steps_per_print) if printing else ""
         lr = self.get_lr()
         self.progress.update(
             step=self.global_steps,
@@ -301,8 +347,16 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
             lr=lr[0] if lr else 0.0,
             timers=timers,
         )
-        if self.config.memory_breakdown and printing:
-            self.progress.write(f"memory: {self.memory_breakdown()}")
+        if self._config.memory_breakdown and printing:
+            self.progress.write(f"memory: {self.memory_usage()}")
+        if self.monitor.enabled:
+            events = [("Train/Samples/lr", lr[0] if lr else 0.0, self.global_samples)]
+            if loss is not None:
+                events.insert(0, ("Train/Samples/train_loss", loss, self.global_samples))
+            if self.loss_scaler is not None:
+                scale = self.optimizer.loss_scale
+                events.append(("Train/Samples/loss_scale", scale, self.global_samples))
+            self.monitor.write_events(events)
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -323,8 +377,9 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         """L2 norm of the last step's unscaled gradients before clipping."""
         return self.optimizer.get_global_grad_norm() if self.optimizer is not None else None
 
-    def memory_breakdown(self) -> MemoryBreakdown:
-        """Bytes this rank holds for parameters, gradients and optimizer state (ds-zero's)."""
+    def memory_usage(self) -> MemoryBreakdown:
+        """Bytes this rank holds for parameters, gradients and optimizer state (ds-zero's
+        breakdown; ``memory_breakdown()`` is DeepSpeed's config flag)."""
         optimizer = self._require_optimizer()
         if isinstance(optimizer, SelfReducingStep):
             params = sum(p.nbytes for p in self.module.parameters())
@@ -338,18 +393,23 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
         self,
         dataset: Any,
         batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_local_io_workers: int | None = None,
     ) -> DeepSpeedDataLoader:
-        """A loader of micro-batches over a DistributedSampler of the data-parallel ranks."""
-        return DeepSpeedDataLoader(
+        """A loader of micro-batches over this rank's share of ``dataset`` (see
+        :func:`build_loader`)."""
+        return build_loader(
+            self,
             dataset,
-            batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
+            batch_size=batch_size,
+            route=route,
+            pin_memory=pin_memory,
+            data_sampler=data_sampler,
             collate_fn=collate_fn,
-            seed=self.config.seed if self.config.seed is not None else 0,
-            num_workers=num_local_io_workers or 0,
+            num_local_io_workers=num_local_io_workers,
         )
 
     def save_checkpoint(
@@ -418,6 +478,9 @@ class DeepSpeedEngine(ConfigAccessors, nn.Module):
             lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             module_only=load_module_only,
         )
+
+
+install_config_accessors(DeepSpeedEngine)
 
 
 def _to_half(value: Any) -> Any:

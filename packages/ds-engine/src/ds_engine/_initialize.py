@@ -16,8 +16,19 @@ __all__ = ["add_config_arguments", "initialize"]
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
-    """The one config the caller gave; two at once is an error (DeepSpeed asserts the same)."""
+    """The one config the caller gave; two at once is an error (DeepSpeed asserts the same).
+
+    ``args.deepscale_config`` is DeepSpeed's legacy name of ``args.deepspeed_config``.
+    """
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    legacy = getattr(args, "deepscale_config", None) if args is not None else None
+    if legacy is not None:
+        if from_args is not None:
+            raise ConfigError(
+                "args.deepscale_config and args.deepspeed_config are both set; deepscale_config "
+                "is the legacy name of deepspeed_config: keep only --deepspeed_config"
+            )
+        from_args = legacy
     given = {
         "config": config,
         "args.deepspeed_config": from_args,
@@ -55,6 +66,7 @@ def initialize(
     dist_init_required: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     config: str | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
     config_params: str | Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """Wrap ``model`` in a training engine configured by a DeepSpeed config.
@@ -78,6 +90,8 @@ def initialize(
         dist_init_required: initialise ``torch.distributed`` (None: if it is not yet).
         collate_fn: batches samples of ``training_data``.
         config: a config dict or the path of a JSON file.
+        mesh_param: DeepSpeed's ``(data_parallel, sequence_parallel)`` device mesh; refused
+            (sequence parallelism is not implemented in ds).
         config_params: the same as ``config`` (DeepSpeed's older name).
 
     Returns:
@@ -90,10 +104,23 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=, the torch.nn.Module to train")
+    if mesh_param is not None:
+        raise NotImplementedError(
+            f"initialize(mesh_param={mesh_param!r}): DeepSpeed's data/sequence-parallel device "
+            "mesh is not implemented in ds (no sequence parallelism); leave mesh_param unset"
+        )
     raw = load_config_dict(_config_source(args, config, config_params))
+    device_rank = getattr(args, "device_rank", None) if args is not None else None
     if _is_pipeline_module(model):
         return _initialize_pipeline(
-            model, raw, optimizer, model_parameters, lr_scheduler, training_data, collate_fn
+            model,
+            raw,
+            optimizer,
+            model_parameters,
+            lr_scheduler,
+            training_data,
+            collate_fn,
+            device_rank,
         )
     if dist_init_required or (dist_init_required is None and not ds_comm.is_initialized()):
         ds_comm.init_distributed(distributed_port=distributed_port, verbose=False)
@@ -109,6 +136,8 @@ def initialize(
         mpu=mpu,
         training_data=training_data,
         collate_fn=collate_fn,
+        config_dict=raw,
+        device_rank=device_rank,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
@@ -121,6 +150,7 @@ def _initialize_pipeline(
     lr_scheduler: Any,
     training_data: Any,
     collate_fn: Any,
+    device_rank: int | None,
 ) -> tuple[Any, Any, Any, Any]:
     """The PipelineModule branch: the module built its process groups already (it needs an
     initialised process group), and its topology's data axis sizes the batch triad."""
@@ -135,13 +165,16 @@ def _initialize_pipeline(
         lr_scheduler=lr_scheduler,
         training_data=training_data,
         collate_fn=collate_fn,
+        config_dict=raw,
+        device_rank=device_rank,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's ``--deepspeed``, ``--deepspeed_config``, ``--deepspeed_mpi`` and
-    ``--local_rank`` (set by launchers) to ``parser``.
+    """Add DeepSpeed's ``--deepspeed``, ``--deepspeed_config`` (and their legacy names
+    ``--deepscale``, ``--deepscale_config``), ``--deepspeed_mpi`` and ``--local_rank`` (set by
+    launchers) to ``parser``.
 
     Example:
         >>> parser = ds_engine.add_config_arguments(argparse.ArgumentParser())
@@ -153,6 +186,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     group.add_argument(
         "--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file."
+    )
+    group.add_argument(
+        "--deepscale", default=False, action="store_true", help="Legacy name of --deepspeed."
+    )
+    group.add_argument(
+        "--deepscale_config", default=None, type=str, help="Legacy name of --deepspeed_config."
     )
     group.add_argument(
         "--deepspeed_mpi",

@@ -10,11 +10,12 @@ A completed pass moves on to the next epoch (reshuffled).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 __all__ = ["DeepSpeedDataLoader"]
 
@@ -44,6 +45,9 @@ class DeepSpeedDataLoader:
         shuffle: shuffle each epoch.
         drop_last: drop the last incomplete micro-batch of each rank.
         num_workers: DataLoader worker processes.
+        sampler: a sampler of the caller's instead of the distributed one (DeepSpeed's
+            ``data_sampler``); a resumed position is then reached by skipping batches.
+        pin_memory: page-lock batches for faster copies to the accelerator.
     """
 
     def __init__(
@@ -58,8 +62,11 @@ class DeepSpeedDataLoader:
         shuffle: bool = True,
         drop_last: bool = False,
         num_workers: int = 0,
+        sampler: Sampler[Any] | None = None,
+        pin_memory: bool = False,
     ) -> None:
-        self.sampler = _SkippingSampler(
+        self.custom_sampler = sampler is not None
+        self.sampler: Any = sampler or _SkippingSampler(
             dataset,
             num_replicas=dp_world_size,
             rank=dp_rank,
@@ -75,6 +82,7 @@ class DeepSpeedDataLoader:
             collate_fn=collate_fn,
             drop_last=drop_last,
             num_workers=num_workers,
+            pin_memory=pin_memory,
             # Its own generator: starting an iteration must not draw from the global RNG,
             # or a resumed run's dropout masks would differ (see [Note: resumable loader position]).
             generator=torch.Generator().manual_seed(seed),
@@ -84,15 +92,20 @@ class DeepSpeedDataLoader:
 
     def __len__(self) -> int:
         """Micro-batches in one full epoch on this rank."""
-        samples = self.sampler.num_samples
+        samples = len(self.sampler)
         if self.loader.drop_last:
             return samples // self.batch_size
         return -(-samples // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        self.sampler.start = self.batches * self.batch_size
-        for batch in self.loader:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        batches: Iterator[Any] = iter(self.loader)
+        if self.custom_sampler:
+            batches = itertools.islice(batches, self.batches, None)
+        else:
+            self.sampler.start = self.batches * self.batch_size
+        for batch in batches:
             self.batches += 1
             yield batch
         self.epoch += 1
@@ -117,3 +130,46 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2**32)
+
+
+_ROUTES = ("train", "eval", "predict")
+
+
+def build_loader(
+    engine: Any,
+    dataset: Any,
+    *,
+    batch_size: int | None = None,
+    route: str = "train",
+    pin_memory: bool = True,
+    data_sampler: Any = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    num_local_io_workers: int | None = None,
+) -> DeepSpeedDataLoader:
+    """DeepSpeed's ``engine.deepspeed_io``: micro-batches (default size
+    ``train_micro_batch_size_per_gpu``) over the engine's data-parallel ranks, shuffled each
+    epoch on the ``"train"`` route and in order on ``"eval"``/``"predict"``; ``data_sampler``
+    replaces the distributed sampler; batches are pinned when the accelerator is not the CPU.
+    """
+    from ds_comm.accelerator import get_accelerator
+
+    if route not in _ROUTES:
+        raise ValueError(f"deepspeed_io(route={route!r}): expected one of {list(_ROUTES)}")
+    if not (hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.Dataset)):
+        raise ValueError(
+            f"deepspeed_io: {type(dataset).__name__} is not a torch Dataset (map-style)"
+        )
+    config = engine._config
+    return DeepSpeedDataLoader(
+        dataset,
+        batch_size=batch_size or config.train_micro_batch_size_per_gpu,
+        dp_rank=engine.dp_rank,
+        dp_world_size=engine.dp_world_size,
+        collate_fn=collate_fn,
+        seed=config.seed if config.seed is not None else 0,
+        shuffle=route == "train",
+        drop_last=config.dataloader_drop_last,
+        num_workers=num_local_io_workers or 0,
+        sampler=data_sampler,
+        pin_memory=pin_memory and get_accelerator().device_name() != "cpu",
+    )

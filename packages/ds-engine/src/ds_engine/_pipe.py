@@ -31,15 +31,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 import ds_comm
 from ds_engine import __version__
-from ds_engine._accessors import ConfigAccessors
+from ds_engine._absent import ABSENT, absent_error
+from ds_engine._accessors import install_config_accessors
 from ds_engine._checkpoint import check_client_state, resolve_checkpoint, tag_directory
-from ds_engine._loader import DeepSpeedDataLoader
+from ds_engine._engine_surface import EngineSurface
+from ds_engine._loader import DeepSpeedDataLoader, build_loader
+from ds_engine._monitor import build_monitor
+from ds_engine._placement import cast_parameters, config_as_dict, engine_device, move_module
+from ds_engine._progress import Timers
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
 from ds_pipe import PipelineEngine, StepResult
@@ -125,7 +130,7 @@ def _repeat(loader: DeepSpeedDataLoader) -> Iterator[Any]:
         yield from loader
 
 
-class PipelineDeepSpeedEngine(ConfigAccessors):
+class PipelineDeepSpeedEngine(EngineSurface):
     """The engine ``initialize()`` returns for a ``PipelineModule`` (see [Note: the pipeline
     engine under initialize()]).
 
@@ -144,18 +149,25 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         lr_scheduler: Any = None,
         training_data: Any = None,
         collate_fn: Any = None,
+        config_dict: Mapping[str, Any] | None = None,
+        device_rank: int | None = None,
     ) -> None:
         check_pipeline_config(config)
-        self.module, self.config = module, config
-        self.grid = module.grid
-        self.dp_rank = self.grid.axis_rank("data")
-        self.dp_world_size = self.grid.axis_world_size("data")
-        self.global_rank = ds_comm.get_rank()
+        self.module, self._config = module, config
+        self.config = dict(config_dict) if config_dict is not None else config_as_dict(config)
+        self._place(module, device_rank)
         self.low = _LOW.get(config.param_dtype_name)
-        if self.low is not None:
-            module.to(self.low)
+        cast_parameters(module, self.low)
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
         client = self._client_optimizer(optimizer, model_parameters)
+        self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.basic_optimizer = client
+        self.timers = Timers(config.wall_clock_breakdown)
+        self.monitor = build_monitor(config, rank=self.global_rank)
+        self.client_lr_scheduler = lr_scheduler
+        self.micro_steps = 0  # micro-batches trained
+        self.batch_fn: Any = None
+        self.has_attention_mask = False
         grad_step = None
         self.zero: ZeroOptimizer | None = None
         # ZeRO stage 1 shards the optimizer state; fp16/bf16 need its fp32 master weights (a
@@ -187,18 +199,26 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         )
         self.training_dataloader: DeepSpeedDataLoader | None = None
         if training_data is not None:
-            self.training_dataloader = DeepSpeedDataLoader(
-                training_data,
-                batch_size=config.train_micro_batch_size_per_gpu,
-                dp_rank=self.dp_rank,
-                dp_world_size=self.dp_world_size,
-                collate_fn=collate_fn,
-                seed=config.seed if config.seed is not None else 0,
-            )
-            self.set_dataiterator(_repeat(self.training_dataloader))
+            self.set_dataloader(self.deepspeed_io(training_data, collate_fn=collate_fn))
+
+    def _place(self, module: Any, device_rank: int | None) -> None:
+        """Ranks, sizes and the device, as the engine's (the module's grid is the mpu)."""
+        self.grid = module.grid
+        self.mpu = module.mpu()
+        self.dp_rank = self.grid.axis_rank("data")
+        self.dp_world_size = self.grid.axis_world_size("data")
+        self.seq_dp_world_size = self.dp_world_size
+        self.mp_world_size = self.mpu.get_model_parallel_world_size()
+        self.global_rank = ds_comm.get_rank()
+        self.world_size = ds_comm.get_world_size()
+        self.local_rank = ds_comm.get_local_rank()
+        self.stage_id = self.grid.stage_id
+        self.num_stages = self.grid.num_stages
+        self.device = engine_device(self.local_rank if device_rank is None else device_rank)
+        move_module(module, self.device)
 
     def _client_optimizer(self, optimizer: Any, model_parameters: Any) -> Any:
-        section = self.config.optimizer
+        section = self._config.optimizer
         if optimizer is not None and section is not None:
             raise ConfigError(
                 "optimizer: both a client optimizer and an 'optimizer' config section were "
@@ -214,7 +234,7 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         return build_optimizer(section, params, group=self.grid.get_group("data"))
 
     def _scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None and self.config.scheduler is not None:
+        if lr_scheduler is not None and self._config.scheduler is not None:
             raise ConfigError(
                 "scheduler: both a client lr_scheduler and a 'scheduler' config section were "
                 "given; remove one of them"
@@ -225,15 +245,37 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
             if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
                 return lr_scheduler(self.optimizer)
             return lr_scheduler
-        if self.config.scheduler is None:
+        if self._config.scheduler is None:
             return None
-        return build_lr_scheduler(self.config.scheduler, self.optimizer)
+        return build_lr_scheduler(self._config.scheduler, self.optimizer)
 
     # --- the pipeline surface ------------------------------------------------------------------
 
+    # DeepSpeed's dtype codes of its activation metadata (for code that encodes with them).
+    ID_TO_DTYPE: ClassVar[list[torch.dtype]] = [
+        torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16,
+        torch.bfloat16, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.bool,
+    ]  # fmt: skip
+    DTYPE_TO_ID: ClassVar[dict[torch.dtype, int]] = {
+        dtype: index for index, dtype in enumerate(ID_TO_DTYPE)
+    }
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on ``gradient_accumulation_steps`` micro-batches; the mean loss on every stage."""
-        return self.pipe.train_batch(self._cast(data_iter))
+        with self.timers("step"):
+            loss = self.pipe.train_batch(self._prepare(data_iter))
+        self.micro_steps += self.pipe.micro_batches
+        if self.monitor.enabled:
+            samples = self.global_samples
+            lr = self.get_lr()
+            self.monitor.write_events(
+                [
+                    ("Train/Samples/train_loss", float(loss), samples),
+                    ("Train/Samples/lr", lr[0] if lr else 0.0, samples),
+                ]
+            )
+        return loss
 
     def eval_batch(
         self,
@@ -241,27 +283,199 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         return_logits: bool = False,
         compute_loss: bool = True,
         reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
     ) -> Any:
-        """Forward one batch without gradients (see ``ds_pipe.PipelineEngine.eval_batch``)."""
-        return self.pipe.eval_batch(
-            self._cast(data_iter), return_logits, compute_loss, reduce_output
+        """Forward one batch without gradients (see ``ds_pipe.PipelineEngine.eval_batch``) of
+        ``num_micro_batches`` micro-batches (None: ``gradient_accumulation_steps``).
+
+        ``bcast_loss=False`` is refused: ds always gives every stage the reduced scalar loss.
+        """
+        if not bcast_loss:
+            raise NotImplementedError(
+                "eval_batch(bcast_loss=False) is not implemented in ds: every stage gets the "
+                "reduced loss; leave bcast_loss=True"
+            )
+        pipe = self.pipe
+        saved = pipe.micro_batches
+        if num_micro_batches is not None:
+            if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
+                raise ValueError(f"num_micro_batches = {num_micro_batches!r}: expected an int")
+            if num_micro_batches < 1:
+                raise ValueError(f"num_micro_batches = {num_micro_batches}: expected >= 1")
+            pipe.micro_batches = num_micro_batches
+        try:
+            return pipe.eval_batch(
+                self._prepare(data_iter), return_logits, compute_loss, reduce_output
+            )
+        finally:
+            pipe.micro_batches = saved
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ABSENT:
+            raise absent_error("PipelineEngine", name)
+        raise AttributeError(f"'PipelineEngine' object has no attribute {name!r}")
+
+    def train(self, mode: bool = True) -> PipelineDeepSpeedEngine:
+        """Put this stage's layers in training (or eval) mode."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> PipelineDeepSpeedEngine:
+        """Put this stage's layers in eval mode."""
+        return self.train(False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as DeepSpeed: a pipeline runs through :meth:`train_batch`/:meth:`eval_batch`."""
+        raise RuntimeError("Only train_batch() is accessible in pipeline mode (forward())")
+
+    __call__ = forward
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as DeepSpeed: :meth:`train_batch` runs the backward passes."""
+        raise RuntimeError("Only train_batch() is accessible in pipeline mode (backward())")
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as DeepSpeed: :meth:`train_batch` steps the optimizer."""
+        raise RuntimeError("Only train_batch() is accessible in pipeline mode (step())")
+
+    def no_sync(self) -> Any:
+        """Refused: ``train_batch`` accumulates over its micro-batches and reduces once."""
+        raise RuntimeError(
+            "no_sync() is not available in pipeline mode: train_batch() accumulates its "
+            "micro-batches and reduces once; raise gradient_accumulation_steps instead"
+        )
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Refused: the pipeline schedule places the boundary at the end of ``train_batch``."""
+        raise RuntimeError(
+            f"set_gradient_accumulation_boundary({is_boundary!r}) is not available in pipeline "
+            "mode: train_batch() runs a whole accumulation window"
+        )
+
+    def save_16bit_model(self, save_dir: str, *args: Any, **kwargs: Any) -> bool:
+        """Refused: a pipeline's weights are per-layer files (``save_checkpoint`` writes them and
+        ``load_checkpoint(load_module_only=True)`` or ``PipelineModule.load_state_dir`` read
+        them, for any number of stages)."""
+        raise NotImplementedError(
+            f"save_16bit_model({save_dir!r}) is not implemented for a PipelineModule: use "
+            "save_checkpoint(), whose layer_XX-model_states.pt files load into any stage count "
+            "or a plain nn.Module"
+        )
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> DeepSpeedDataLoader:
+        """A loader of micro-batches over this replica's share of ``dataset`` (see
+        ``ds_engine._loader.build_loader``)."""
+        return build_loader(
+            self,
+            dataset,
+            batch_size=batch_size,
+            route=route,
+            pin_memory=pin_memory,
+            data_sampler=data_sampler,
+            collate_fn=collate_fn,
+            num_local_io_workers=num_local_io_workers,
         )
 
     def is_first_stage(self) -> bool:
+        """True on pipeline stage 0 (which reads the inputs)."""
         return self.pipe.is_first_stage()
 
     def is_last_stage(self) -> bool:
+        """True on the last stage (which reads the labels and computes the loss)."""
         return self.pipe.is_last_stage()
 
-    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        self.pipe.set_dataiterator(self._cast(iterator))
+    def get_pipeline_parallel_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.stage_id
 
-    def _cast(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
-        """fp16/bf16: floating-point inputs cast to the parameters' dtype (labels as given),
-        as DeepSpeed's pipeline engine does."""
-        if data_iter is None or self.low is None:
-            return data_iter
-        return ((_to_dtype(inputs, self.low), labels) for inputs, labels in data_iter)
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """False: between ``train_batch`` calls no reduction or step is due (each
+        ``train_batch`` ends with its own)."""
+        return False
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator ``train_batch()`` reads when called without one (first and last stage;
+        DeepSpeed ignores it on the others)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.pipe.set_dataiterator(self._prepare(iterator))
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Read micro-batches from ``loader``, epoch after epoch (first and last stage)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.pipe.set_dataiterator(self._prepare(_repeat(loader)))
+
+    def set_batch_fn(self, fn: Any) -> None:
+        """Post-process every micro-batch read from a data iterator with ``fn``."""
+        self.batch_fn = fn
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's flag that the last input is a mask needing no gradient. ds sends each
+        tensor with its own dtype and ``requires_grad``, so a mask is handled without it; the
+        value is checked and kept for code that reads ``has_attention_mask``."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_has_attention_mask({value!r}): expected a bool")
+        self.has_attention_mask = value
+
+    def reset_activation_shape(self) -> None:
+        """Renegotiate activation and gradient shapes at the next batch (call before a batch
+        whose shapes change, e.g. curriculum sequence lengths), on every rank."""
+        for mode in ("train", "eval"):
+            self.pipe.channels.forget(mode)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the batch size through the number of micro-batches per ``train_batch``."""
+        super().set_train_batch_size(train_batch_size)
+        gas = self._config.gradient_accumulation_steps
+        self.pipe.micro_batches = gas
+        step = self.pipe.grad_step
+        if self.zero is not None:
+            self.zero.gradient_accumulation_steps = gas
+        elif step is not None and hasattr(step, "micro_batches"):
+            step.micro_batches = gas
+
+    def get_additional_losses(self) -> None:
+        """None: ds's pipeline modules return one loss (no auxiliary losses are aggregated)."""
+        return None
+
+    def log_for_device(self, *msg: Any) -> None:
+        """Print ``msg`` prefixed with this rank's pipeline and data coordinates."""
+        print(
+            f"RANK={self.global_rank} PIPE-ID={self.stage_id} DATA-ID={self.dp_rank} "
+            f"STEP-ID={self.global_steps} ::",
+            *msg,
+            flush=True,
+        )
+
+    def tput_log(self, *msg: Any) -> None:
+        """Print ``msg`` on global rank 0 every ``steps_per_print`` batches."""
+        if self.global_rank == 0 and self.global_steps % self._config.steps_per_print == 0:
+            print(*msg, flush=True)
+
+    def _prepare(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        """Micro-batches through ``batch_fn`` (read when each is loaded) and, with fp16/bf16,
+        floating-point inputs cast to the parameters' dtype (labels as given), as DeepSpeed's
+        pipeline engine does."""
+        if data_iter is None:
+            return None
+        return (self._cast(self.batch_fn(b) if self.batch_fn else b) for b in data_iter)
+
+    def _cast(self, batch: Any) -> Any:
+        if self.low is None:
+            return batch
+        inputs, labels = batch
+        return _to_dtype(inputs, self.low), labels
 
     @property
     def global_steps(self) -> int:
@@ -270,19 +484,62 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
 
     @property
     def skipped_steps(self) -> int:
+        """Batches whose step an fp16 overflow skipped."""
         return self.pipe.skipped_steps
 
     @property
     def global_samples(self) -> int:
-        return self.pipe.global_steps * self.config.train_batch_size
+        """Samples trained on over all data-parallel replicas."""
+        return self.pipe.global_steps * self._config.train_batch_size
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``train_batch`` stepped the optimizer (not skipped for overflow)."""
+        last = self.pipe.last_step
+        return last is not None and not last.skipped
 
     def get_lr(self) -> list[float]:
         """The learning rate of each param group."""
         return self.pipe.get_lr()
 
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: Adam's ``betas`` or SGD's ``momentum``."""
+        if self.optimizer is None:
+            return []
+        groups = self.optimizer.param_groups
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in groups]
+
+    def get_type(self) -> list[Any]:
+        """Each param group's ``type`` entry (0.0 where a group has none), as DeepSpeed."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return [g.get("type", 0.0) for g in groups]
+
     def get_global_grad_norm(self) -> float | None:
         """The last step's gradient norm over every stage and replica."""
         return self.pipe.get_global_grad_norm()
+
+    def module_state_dict(  # type: ignore[override]
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        """This stage's layers' state dict (keys as in the ``PipelineModule``).
+
+        DeepSpeed's pipeline returns None here and writes the per-layer files from inside its
+        ``save_checkpoint``; ds's ``save_checkpoint`` writes those itself, so this returns the
+        state for code that wants it.
+        """
+        return super().module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_module_state_dict(self, checkpoint: Mapping[str, Any], *args: Any, **kwargs: Any):
+        """Load this stage's layers from ``checkpoint["module"]`` (fp32 masters refreshed)."""
+        super().load_module_state_dict(checkpoint, *args, **kwargs)
+        if self.zero is not None:
+            self.zero.refresh_fp32_params()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of this stage's parameters (and the ZeRO-1 accumulation)."""
+        for p in self.module.parameters():
+            p.grad = None
+        if self.zero is not None:
+            self.zero.zero_grad()
 
     # --- checkpoints (see [Note: pipeline checkpoints]) ----------------------------------------
 
@@ -366,3 +623,6 @@ class PipelineDeepSpeedEngine(ConfigAccessors):
         self.pipe.global_steps = int(state["global_steps"])
         self.pipe.skipped_steps = int(state["skipped_steps"])
         return str(path), state["client_state"]
+
+
+install_config_accessors(PipelineDeepSpeedEngine)

@@ -80,6 +80,9 @@ def numerics_table(config: DeepSpeedConfig, *, self_reducing: bool = False) -> s
     return "\n".join(lines)
 
 
+_DEEPSPEED_TIMER = {"forward": "fwd", "backward": "bwd", "step": "step"}
+
+
 class Timers:
     """Accumulated wall-clock seconds per phase (``forward``, ``backward``, ``step``).
 
@@ -102,6 +105,11 @@ class Timers:
         finally:
             _sync()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def snapshot_ms(self) -> dict[str, float]:
+        """Milliseconds per phase since the last :meth:`summary`, under DeepSpeed's timer names
+        (``fwd``, ``bwd``, ``step``); empty when disabled."""
+        return {_DEEPSPEED_TIMER.get(k, k): 1e3 * v for k, v in self.seconds.items()}
 
     def summary(self, steps: int) -> str:
         """Mean milliseconds per optimizer step of each phase since the last call; resets."""
