@@ -131,3 +131,54 @@ def test_frozen_or_foreign_parameter_has_no_views() -> None:
 
     gc.collect()
     assert ds_zero.param_views(model[2].weight) is None  # the record is weak
+
+
+def _variant_body(rank: int, world_size: int, stage: int, variant: str) -> None:
+    import torch
+
+    import ds_optim
+    import ds_zero
+
+    model, ref = _model(), _model()
+    section: dict = {"stage": stage, "reduce_bucket_size": 40, "allgather_bucket_size": 40}
+    if variant == "offload":
+        section["offload_optimizer"] = {"device": "cpu"}
+        optimizer = ds_optim.CPUAdam(model.parameters(), lr=1e-2)
+    else:
+        model.to(torch.bfloat16)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    zero = ds_zero.build_zero_optimizer(model, optimizer, ds_zero.ZeroConfig.from_dict(section))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    x = _batches()[0]
+    for _ in range(2):
+        zero.backward(_loss(model, x.to(next(model.parameters()).dtype).chunk(world_size)[rank]))
+        zero.step()
+        _loss(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    named = dict(model.named_parameters())
+    for name, want in ref.named_parameters():
+        views = ds_zero.param_views(named[name])
+        got = views.full("param")
+        assert got.dtype == torch.float32
+        if variant == "offload":
+            assert torch.allclose(got, want, rtol=TOL, atol=TOL), name
+            assert torch.allclose(views.full("exp_avg"), ref_opt.state[want]["exp_avg"], atol=TOL)
+        else:  # the fp32 master, whose bf16 rounding is the model's weight
+            assert torch.allclose(got, want, atol=5e-2), name
+            if stage < 3:
+                assert torch.equal(got.to(torch.bfloat16), named[name].detach())
+    first = next(iter(named))
+    value = torch.linspace(-1, 1, named[first].numel() if stage < 3 else 35).view(7, 5)
+    views = ds_zero.param_views(named[first])
+    views.set_full("param", value)
+    assert torch.equal(views.full("param"), value)
+    if stage < 3:  # the model's weight followed, in its dtype
+        assert torch.equal(named[first].detach(), value.to(named[first].dtype))
+
+
+@pytest.mark.parametrize(
+    ("stage", "variant"), [(2, "bf16"), (3, "bf16"), (1, "offload"), (2, "offload"), (3, "offload")]
+)
+def test_param_views_mixed_precision_and_offload(stage: int, variant: str) -> None:
+    run_on_ranks(_variant_body, 2, stage, variant)
