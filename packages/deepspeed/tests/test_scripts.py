@@ -48,3 +48,16 @@ def test_ds_report_lists_ops_then_environment() -> None:
         timeout=300,
     )
     assert hidden.returncode == 0 and "cpu_adam" not in hidden.stdout
+
+
+def test_python_m_runs_the_aliased_launcher_modules() -> None:
+    # accelerate and DeepSpeed's own docs start nodes with `python -m deepspeed.launcher.launch`.
+    for module, flag in (
+        ("deepspeed.launcher.runner", "--num_gpus"),
+        ("deepspeed.launcher.launch", "--world_info"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        assert flag in out.stdout

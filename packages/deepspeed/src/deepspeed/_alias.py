@@ -50,6 +50,14 @@ class AliasLoader(importlib.abc.Loader):
         # Already executed under its real name; undo module_from_spec's __spec__ overwrite.
         module.__spec__ = self._spec
 
+    def get_code(self, fullname: str) -> object:
+        """The real module's code, for ``python -m deepspeed.<path>`` (runpy runs it as
+        ``__main__``, so ``python -m deepspeed.launcher.runner`` starts ds-launch)."""
+        return self._spec.loader.get_code(self._spec.name)
+
+    def is_package(self, fullname: str) -> bool:
+        return self._spec.submodule_search_locations is not None
+
 
 class AliasFinder(importlib.abc.MetaPathFinder):
     """Finds ``deepspeed.<rest>`` as ``ds_engine.<rest>`` (see [Note: one module under two
