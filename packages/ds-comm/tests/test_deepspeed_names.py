@@ -63,6 +63,7 @@ DEEPSPEED_COMM_NAMES = [
     "isend",
     "log_summary",
     "monitored_barrier",
+    "mpi_discovery",
     "new_group",
     "recv",
     "reduce",

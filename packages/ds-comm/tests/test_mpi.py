@@ -90,6 +90,16 @@ def test_mpi4py_discovery() -> None:
     assert all(res["env_port"] == str(master[1]) for res in results)
 
 
+def test_explicit_mpi_discovery() -> None:
+    busy = _free_port()
+    results = _run_under_mpiexec("discovery", busy, {})
+    for rank, res in enumerate(results):
+        assert res["launcher_rank"] == rank and res["launch"][:2] == [rank, 2]
+        assert res["sum"] == 1.0
+    master = results[0]["master"]
+    assert all(res["master"] == master for res in results) and master[1] != busy
+
+
 def test_env_path_without_mpi4py() -> None:
     port = _free_port()
     results = _run_under_mpiexec(
@@ -117,9 +127,13 @@ def _rank_main(mode: str, port: int) -> None:
     launcher_size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", -1)))
     assert "MASTER_ADDR" not in os.environ or mode == "env"
     holder = socket.socket()
-    if mode == "mpi4py" and launcher_rank == 0:
+    if mode in ("mpi4py", "discovery") and launcher_rank == 0:
         holder.bind(("", port))
         holder.listen()
+    if mode == "discovery":  # DeepSpeed's explicit step, then a plain env:// initialisation
+        discovered = ds_comm.mpi_discovery(distributed_port=port, verbose=False)
+        assert os.environ["RANK"] == str(discovered.rank) == str(launcher_rank)
+        assert os.environ["MASTER_PORT"] == str(discovered.master_port)
     # A short timeout turns a wrong master address into a rendezvous error, not a kill.
     launch = ds_comm.init_distributed(
         auto_mpi_discovery=(mode == "mpi4py"),

@@ -63,6 +63,7 @@ from ds_comm._init import (
     get_world_size,
     init_distributed,
     is_initialized,
+    mpi_discovery,
     new_group,
 )
 from ds_comm._instrument import annotate
@@ -119,6 +120,7 @@ __all__ = [
     "get_all_ranks_from_group",
     "init_deepspeed_backend",
     "initialize_mesh_device",
+    "mpi_discovery",
     "enable_symm_mem_for_group",
     "ProcessGroup",
     # launcher environment and backend names (DeepSpeed's helpers)

@@ -27,6 +27,7 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_initialized",
+    "mpi_discovery",
     "new_group",
 ]
 
@@ -117,6 +118,37 @@ def init_distributed(
         print(
             f"[ds_comm] initialised {backend}: world_size={launch.world_size} "
             f"master={launch.master_addr}:{launch.master_port} source={launch.source}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return launch
+
+
+def mpi_discovery(distributed_port: int = DEFAULT_PORT, verbose: bool = True) -> LaunchEnv:
+    """Learn rank, size and rank 0's address over mpi4py and export them (DeepSpeed's name).
+
+    Collective over ``MPI.COMM_WORLD``: every rank of an ``mpirun``/``mpiexec`` job calls it.
+    Afterwards ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    are set, so any ``env://`` initialisation works. :func:`init_distributed` does this itself
+    under an MPI launcher (``auto_mpi_discovery=True``).
+
+    Raises:
+        DistributedEnvError: mpi4py is missing or its MPI library cannot load.
+    """
+    from ds_comm._mpi import discover_via_mpi, load_mpi
+
+    mpi = load_mpi()
+    if mpi is None:
+        raise DistributedEnvError(
+            "mpi_discovery: mpi4py is not installed or its MPI library cannot load; "
+            "install ds-comm[mpi] (mpi4py) or launch with ds-launch/torchrun instead"
+        )
+    launch = discover_via_mpi(mpi, os.environ, distributed_port=distributed_port)
+    launch.export(os.environ)
+    if verbose and launch.rank == 0:
+        print(
+            f"[ds_comm] mpi_discovery: world_size={launch.world_size} "
+            f"master={launch.master_addr}:{launch.master_port}",
             file=sys.stderr,
             flush=True,
         )
