@@ -1,8 +1,9 @@
 """ds-comm: process-group setup, collectives, topology, comms logging, bucketing, compressed allreduce.
 
-Mirrors ``torch.distributed`` signatures (DeepSpeed users know it as ``deepspeed.comm``), so
-``import ds_comm as dist`` is a drop-in for the functional API, with hang forensics and comms
-logging built in.
+Mirrors ``torch.distributed`` signatures and the rest of ``deepspeed.comm``, so
+``import ds_comm as dist`` is a drop-in for the functional API, with hang forensics, comms
+logging and a device guard built in. ``ds_comm.accelerator`` is DeepSpeed's accelerator
+abstraction (``get_accelerator()``), the lowest layer of ds.
 """
 
 from __future__ import annotations
