@@ -50,7 +50,6 @@ ABSENT: dict[str, str] = {
     "get_deepspeed_compile_backend": _DEEPCOMPILE,
     "get_compile_time": _DEEPCOMPILE,
     "register_compile_pass": _DEEPCOMPILE,
-    "is_deepcompile_enabled": _DEEPCOMPILE + "; engine.compile() is a plain torch.compile",
     "is_deepcompile_active": _DEEPCOMPILE + "; engine.compile() is a plain torch.compile",
     "random_ltd_initialize": _DATA_EFFICIENCY + " (random layer-token drop)",
     "set_custom_curriculum_learning_schedule": _DATA_EFFICIENCY + " (curriculum learning)",

@@ -27,7 +27,12 @@ from ds_engine._local_step import SelfReducingStep
 from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
 from ds_engine._monitor import build_monitor
 from ds_engine._nvme import nvme_swapper
-from ds_engine._placement import cast_parameters, config_as_dict, engine_device, move_module
+from ds_engine._placement import (
+    cast_mixed_precision,
+    config_as_dict,
+    engine_device,
+    move_module,
+)
 from ds_engine._progress import Progress, Timers, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
@@ -89,7 +94,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         self._place(model, device_rank)
         if config.comms_logger.enabled:
             ds_comm.configure(config.comms_logger)
-        cast_parameters(model, _LOW.get(config.param_dtype_name))
+        cast_mixed_precision(model, config)
         self.expert_groups = configure_experts(model, mpu)
         client = self._build_client_optimizer(optimizer, model_parameters)
         self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None

@@ -1,8 +1,9 @@
 """DeepSpeedEngine's public surface beyond the training loop: ranks and sizes, batch-size
 changes, derived config accessors, state dicts, compile and teardown.
 
-The plain config accessors are generated (see [Note: one mechanism for the accessors] in
-``_accessors.py``); what is here computes something. The host class (``DeepSpeedEngine``) sets
+The config accessors are generated (see [Note: one mechanism for the accessors] in
+``_accessors.py``), derived values included (they are properties of the config models); what is
+here reads optional sections, runtime state or the model. The host class (``DeepSpeedEngine``) sets
 ``_config``, ``module``, ``optimizer``, ``basic_optimizer``, ``client_optimizer``,
 ``lr_scheduler``, ``mpu``, ``dp_world_size``, ``timers`` and ``global_rank``.
 """
@@ -130,18 +131,6 @@ class EngineSurface:
 
     # --- derived config accessors --------------------------------------------------------------
 
-    def zero_optimization(self) -> bool:
-        """Whether ZeRO is on (stage > 0)."""
-        return self._config.zero_optimization.stage > 0
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        """Whether gradients are partitioned (stage >= 2)."""
-        return self._config.zero_optimization.stage >= 2
-
-    def zero_optimization_partition_weights(self) -> bool:
-        """Whether parameters are partitioned (stage 3)."""
-        return self._config.zero_optimization.stage >= 3
-
     def is_first_weights_partition_group(self) -> bool:
         """DeepSpeed's name for :meth:`zero_optimization_partition_weights` (one ZeRO-3 group)."""
         return self.zero_optimization_partition_weights()
@@ -150,38 +139,9 @@ class EngineSurface:
         """Whether the optimizer state is offloaded to the CPU."""
         return self._config.zero_optimization.offload_optimizer.device == "cpu"
 
-    def zero_use_cpu_optimizer(self) -> bool:
-        """Whether the optimizer steps on the CPU (optimizer offload to CPU or NVMe)."""
-        return self._config.zero_optimization.offload_optimizer.device in ("cpu", "nvme")
-
     def zero_nvme_offload_optimizer(self) -> bool:
         """Whether the optimizer state is swapped to NVMe."""
         return self._config.zero_optimization.offload_optimizer.device == "nvme"
-
-    def postscale_gradients(self) -> bool:
-        """Whether gradients are averaged after the reduction (not ``prescale_gradients``)."""
-        return not self._config.prescale_gradients
-
-    def dynamic_loss_scale(self) -> bool:
-        """Whether fp16 uses a dynamic loss scale (``fp16.loss_scale`` = 0)."""
-        return self._config.fp16.loss_scale == 0
-
-    def initial_dynamic_scale(self) -> float:
-        """The first dynamic loss scale, ``2 ** fp16.initial_scale_power``."""
-        return float(2**self._config.fp16.initial_scale_power)
-
-    def dynamic_loss_scale_args(self) -> dict[str, Any] | None:
-        """The dynamic loss scaler's settings under DeepSpeed's keys (None: static or off)."""
-        fp16 = self._config.fp16
-        if not fp16.enabled or fp16.loss_scale != 0:
-            return None
-        return {
-            "init_scale": 2**fp16.initial_scale_power,
-            "scale_window": fp16.loss_scale_window,
-            "delayed_shift": fp16.hysteresis,
-            "consecutive_hysteresis": fp16.consecutive_hysteresis,
-            "min_scale": fp16.min_loss_scale,
-        }
 
     @property
     def communication_data_type(self) -> torch.dtype:

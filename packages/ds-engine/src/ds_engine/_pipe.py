@@ -43,7 +43,12 @@ from ds_engine._checkpoint import check_client_state, resolve_checkpoint, tag_di
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
 from ds_engine._monitor import build_monitor
-from ds_engine._placement import cast_parameters, config_as_dict, engine_device, move_module
+from ds_engine._placement import (
+    cast_mixed_precision,
+    config_as_dict,
+    engine_device,
+    move_module,
+)
 from ds_engine._progress import Timers
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
@@ -157,7 +162,7 @@ class PipelineDeepSpeedEngine(EngineSurface):
         self.config = dict(config_dict) if config_dict is not None else config_as_dict(config)
         self._place(module, device_rank)
         self.low = _LOW.get(config.param_dtype_name)
-        cast_parameters(module, self.low)
+        cast_mixed_precision(module, config)
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
         client = self._client_optimizer(optimizer, model_parameters)
         self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None

@@ -12,19 +12,33 @@ host when parameters are offloaded).
 Mixed precision casts only the floating-point *parameters* to fp16/bf16; buffers keep their
 dtype (fp32), as DeepSpeed does. A rotary embedding's ``inv_freq`` buffer cast to bf16 changes
 the positions' angles and the loss by 1e-5 to 1e-4 relative, growing with sequence position.
+``data_types.buffer_dtype`` casts buffers too; ``data_types.keep_in_fp32_modules`` names
+buffers kept in (or brought back to) fp32 whatever the other settings say (``"auto"``: a
+Hugging Face model's own ``_keep_in_fp32_modules_strict`` lists, e.g. an MoE router's
+``e_score_correction_bias``), as in DeepSpeed 0.19. Parameters always follow the training dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ds_comm import ConfigError
 from ds_comm.accelerator import get_accelerator
 
-__all__ = ["cast_parameters", "config_as_dict", "engine_device", "move_module"]
+__all__ = [
+    "cast_mixed_precision",
+    "cast_module_mixed_precision",
+    "config_as_dict",
+    "engine_device",
+    "keep_in_fp32_pattern",
+    "move_module",
+]
 
 
 def engine_device(device_rank: int) -> torch.device:
@@ -59,14 +73,91 @@ def move_module(module: nn.Module, device: torch.device) -> None:
                     setattr(owner, name, buffer.to(device))
 
 
-def cast_parameters(module: nn.Module, dtype: torch.dtype | None) -> None:
-    """Cast ``module``'s floating-point parameters (not its buffers) to ``dtype`` (None: keep)."""
-    if dtype is None:
+def _castable(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def keep_in_fp32_pattern(
+    module: nn.Module, setting: str | Sequence[str], dtype: torch.dtype | None
+) -> re.Pattern[str] | None:
+    """The names of the buffers to keep in fp32 under fp16/bf16 (``data_types.
+    keep_in_fp32_modules``): ``"auto"`` takes each submodule's Hugging Face lists
+    (``_keep_in_fp32_modules_strict``, and under fp16 ``_keep_in_fp32_modules``), scoped to that
+    submodule; a list is patterns where ``*`` is any characters, found anywhere in a buffer's
+    full name. None: nothing to keep (fp32 training, or no names)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    patterns: set[str] = set()
+    if isinstance(setting, str):  # "auto"
+        for prefix, sub in module.named_modules():
+            names = set(getattr(sub, "_keep_in_fp32_modules_strict", None) or ())
+            if dtype == torch.float16:
+                names |= set(getattr(sub, "_keep_in_fp32_modules", None) or ())
+            for name in names:
+                glob = name.replace("*", ".*")
+                patterns.add(rf"^{re.escape(prefix)}\..*{glob}" if prefix else glob)
+    else:
+        patterns = {name.replace("*", ".*") for name in setting}
+    return re.compile("|".join(sorted(patterns))) if patterns else None
+
+
+def cast_module_mixed_precision(
+    module: nn.Module,
+    param_dtype: torch.dtype | None,
+    *,
+    buffer_dtype: torch.dtype | None = None,
+    keep_in_fp32: re.Pattern[str] | None = None,
+) -> None:
+    """Cast ``module``'s floating-point parameters to ``param_dtype`` and, only when
+    ``buffer_dtype`` is set, its buffers to that; buffers matching ``keep_in_fp32`` are made
+    (and stay) fp32 (see [Note: where the engine puts the model]).
+
+    ZeRO-3 parameters partitioned by ``zero.Init`` were cast when they were built; one in
+    another dtype is an error naming it.
+    """
+    if param_dtype is None:
         return
+    wrong = []
     with torch.no_grad():
-        for p in module.parameters():
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
+        for name, p in module.named_parameters():
+            if not _castable(p) or p.dtype == param_dtype:
+                continue
+            if hasattr(p, "ds_id"):
+                wrong.append(f"{name} ({p.dtype})")
+            else:
+                p.data = p.data.to(param_dtype)
+        for prefix, owner in module.named_modules():
+            for name, buffer in owner.named_buffers(recurse=False):
+                if buffer is None or not _castable(buffer):
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                if keep_in_fp32 is not None and keep_in_fp32.search(full):
+                    target = torch.float32
+                elif buffer_dtype is not None:
+                    target = buffer_dtype
+                else:
+                    continue
+                if buffer.dtype != target:
+                    buffer.data = buffer.data.to(target)
+    if wrong:
+        raise ConfigError(
+            f"training in {param_dtype} but zero.Init partitioned these parameters in another "
+            f"dtype: {', '.join(wrong[:5])}; pass the DeepSpeed config (config_dict_or_path=) or "
+            "dtype= to zero.Init"
+        )
+
+
+def cast_mixed_precision(module: nn.Module, config: Any) -> None:
+    """The config's mixed precision on ``module``: fp16/bf16 parameters, ``data_types``'
+    ``buffer_dtype`` and ``keep_in_fp32_modules`` for buffers."""
+    param_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.param_dtype_name)
+    data_types = config.data_types
+    cast_module_mixed_precision(
+        module,
+        param_dtype,
+        buffer_dtype=data_types.buffer_torch_dtype if param_dtype is not None else None,
+        keep_in_fp32=keep_in_fp32_pattern(module, data_types.keep_in_fp32_modules, param_dtype),
+    )
 
 
 def config_as_dict(config: Any) -> dict[str, Any]:
