@@ -109,6 +109,8 @@ def test_abstract_base_requires_the_device_methods() -> None:
 
 def test_device_queries(cpu: CPU_Accelerator, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu.device_name() == cpu.device_name(3) == cpu.current_device_name() == "cpu"
+    assert cpu.device_name("0") == "cpu"  # transformers passes os.environ["LOCAL_RANK"]
+    assert CUDA_Accelerator().device_name("2") == "cuda:2"  # names only: no GPU needed
     assert cpu.device(0) == torch.device("cpu")
     assert cpu.communication_backend_name() == "gloo"
     assert cpu.is_available() and cpu.is_synchronized_device()

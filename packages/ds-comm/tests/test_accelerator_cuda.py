@@ -39,6 +39,7 @@ def test_selected_by_default_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_device_queries(cuda: CUDA_Accelerator) -> None:
     assert cuda.device_name() == "cuda" and cuda.device_name(1) == "cuda:1"
+    assert cuda.device_name("1") == "cuda:1"  # transformers passes os.environ["LOCAL_RANK"]
     assert cuda.device(0) == torch.device("cuda", 0)
     assert cuda.current_device() == torch.cuda.current_device() == 0
     assert cuda.current_device_name() == "cuda:0"
