@@ -57,7 +57,7 @@ class DeepSpeedAccelerator(abc.ABC):
     # --- devices ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def device_name(self, device_index: int | None = None) -> str:
+    def device_name(self, device_index: int | str | None = None) -> str:
         """``"cuda"`` or ``"cuda:1"``-style name (the bare kind when no index)."""
 
     @abc.abstractmethod

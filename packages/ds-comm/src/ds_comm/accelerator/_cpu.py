@@ -61,7 +61,7 @@ class CPU_Accelerator(DeepSpeedAccelerator):
 
     # --- devices ---------------------------------------------------------------------------------
 
-    def device_name(self, device_index: int | None = None) -> str:
+    def device_name(self, device_index: int | str | None = None) -> str:
         """Always ``"cpu"``: torch has one CPU device whatever the index."""
         return "cpu"
 

@@ -40,7 +40,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
 
     # --- devices ---------------------------------------------------------------------------------
 
-    def device_name(self, device_index: int | None = None) -> str:
+    def device_name(self, device_index: int | str | None = None) -> str:
         return "cuda" if device_index is None else f"cuda:{device_index}"
 
     def device(self, device_index: int | None = None) -> torch.device:
