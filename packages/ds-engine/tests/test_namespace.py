@@ -58,3 +58,18 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no_such_thing"):
         _ = ds_engine.no_such_thing
+
+
+def test_accelerator_submodules_are_ds_comms_accelerator() -> None:
+    import importlib
+
+    import ds_comm.accelerator as accelerator
+
+    for name in ("real_accelerator", "abstract_accelerator", "cpu_accelerator", "cuda_accelerator"):
+        module = importlib.import_module(f"ds_engine.accelerator.{name}")
+        assert module.get_accelerator is accelerator.get_accelerator
+    from ds_engine.accelerator.cuda_accelerator import CUDA_Accelerator
+    from ds_engine.accelerator.real_accelerator import get_accelerator
+
+    assert CUDA_Accelerator is accelerator.CUDA_Accelerator
+    assert get_accelerator() is accelerator.get_accelerator()
