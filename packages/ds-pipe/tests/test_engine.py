@@ -4,11 +4,19 @@ Each body trains a pipeline for a few batches on gloo ranks and, in the same ran
 ``_pipe_models.Reference`` of the same layers on the same micro-batches (data-parallel replicas'
 micro-batches included, averaged as the data-parallel reduction does); losses and every
 parameter must agree to 1e-5 relative (fp32).
+
+Each parity test runs twice: with gloo's per-channel tags, and with ``DS_PIPE_TAGLESS=1``, where
+every message uses tag 0 and the ranks' posting order alone pairs receives with sends (as on
+NCCL, see [Note: one ordered stream per pair of ranks] in ``_p2p.py``); both must give the same
+losses, bit for bit. The tag-free runs also turn ds-comm's device guard on, so every tensor the
+pipeline hands to a collective or a transfer is checked against the group's device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +33,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _pipe_models as pm
 
 ROWS = 3  # rows per micro-batch
+TAGLESS = {"DS_PIPE_TAGLESS": "1"}
+
+
+@contextlib.contextmanager
+def _mode_checks(engine: Any) -> Any:
+    """Check the engine runs in the mode the environment asks for; with ``DS_PIPE_TAGLESS=1``
+    also turn ds-comm's device guard on for the body."""
+    import ds_comm
+
+    tagless = os.environ.get("DS_PIPE_TAGLESS") == "1"
+    assert engine.channels.tagless == tagless
+    previous = ds_comm.device_guard(True if tagless else None)
+    try:
+        yield
+    finally:
+        ds_comm.device_guard(previous)
 
 
 def _model(kind: str) -> tuple[list[Any], Any, Any]:
@@ -70,22 +94,29 @@ def _train_body(
     m: int = 4,
     steps: int = 10,
     clip: float = 0.0,
+    device: str | None = None,
 ) -> list[float]:
     dp = world_size // stages
     module, ref, (loss_fn, make) = _build(rank, stages, dp, kind, virtual)
+    if device is not None:  # the GPU tier: the stage and the reference on the GPU
+        module.to(device)
+        ref.to(device)
     opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
     engine = PipelineEngine(module, opt, micro_batches=m, schedule=schedule, gradient_clipping=clip)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     replica = module.grid.axis_rank("data")
+    dev = next(ref.parameters()).device
     losses = []
     for step in range(steps):
         data = [_data(make, step, m, r) for r in range(dp)]
-        loss = engine.train_batch(iter(data[replica]))
+        with _mode_checks(engine):
+            loss = engine.train_batch(iter(data[replica]))
+        assert loss.device == engine.device
         ref_opt.zero_grad()
         total = 0.0
         for batch in data:
             for x, y in batch:
-                ref_loss = loss_fn(ref(x), y)
+                ref_loss = loss_fn(ref(x.to(dev)), y.to(dev))
                 (ref_loss / (m * dp)).backward()
                 total += float(ref_loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip else math.inf)
@@ -131,11 +162,12 @@ def _train_body(
 def test_train_matches_sequential(
     world_size: int, stages: int, schedule: str, kind: str, virtual: int
 ) -> None:
-    results = run_on_ranks(
-        _train_body, world_size, stages=stages, schedule=schedule, kind=kind, virtual=virtual
-    )
+    kwargs = {"stages": stages, "schedule": schedule, "kind": kind, "virtual": virtual}
+    results = run_on_ranks(_train_body, world_size, **kwargs)
     assert all(r == results[0] for r in results), "every stage returns the same losses"
     assert results[0][-1] < results[0][0]
+    # the same run with every tag equal: the posting order alone pairs the messages
+    assert run_on_ranks(_train_body, world_size, env=TAGLESS, **kwargs) == results
 
 
 def test_global_norm_clipping_covers_every_stage_and_replica() -> None:
@@ -143,11 +175,12 @@ def test_global_norm_clipping_covers_every_stage_and_replica() -> None:
     run_on_ranks(_train_body, 4, stages=2, kind="mlp", clip=0.05, steps=4)
 
 
-def _eval_body(rank: int, world_size: int, *, stages: int, kind: str) -> None:
+def _eval_body(rank: int, world_size: int, *, stages: int, kind: str) -> float:
     module, ref, (loss_fn, make) = _build(rank, stages, 1, kind, 1)
     engine = PipelineEngine(module, None, micro_batches=3)
     data = _data(make, 7, 3, 0)
-    loss, logits = engine.eval_batch(iter(data), return_logits=True)
+    with _mode_checks(engine):
+        loss, logits = engine.eval_batch(iter(data), return_logits=True)
     with torch.no_grad():
         outs = [ref(x) for x, _ in data]
         ref_loss = torch.stack([loss_fn(o, y) for o, (_, y) in zip(outs, data)]).mean()
@@ -156,16 +189,19 @@ def _eval_body(rank: int, world_size: int, *, stages: int, kind: str) -> None:
         torch.testing.assert_close(logits, torch.cat(outs), rtol=1e-5, atol=1e-6)
     else:
         assert logits is None
-    per_mb = engine.eval_batch(iter(data), reduce_output=None)
+    with _mode_checks(engine):
+        per_mb = engine.eval_batch(iter(data), reduce_output=None)
     if engine.is_last_stage():
         assert len(per_mb) == 3
         torch.testing.assert_close(torch.stack(per_mb).mean(), ref_loss, rtol=1e-5, atol=1e-6)
     assert module.training, "eval_batch restores the training mode"
+    return float(loss)
 
 
 @pytest.mark.parametrize(("world_size", "kind"), [(2, "tied"), (4, "mlp")])
 def test_eval_batch_equals_sequential_forward(world_size: int, kind: str) -> None:
-    run_on_ranks(_eval_body, world_size, stages=world_size, kind=kind)
+    losses = run_on_ranks(_eval_body, world_size, stages=world_size, kind=kind)
+    assert run_on_ranks(_eval_body, world_size, stages=world_size, kind=kind, env=TAGLESS) == losses
 
 
 def _overflow_body(rank: int, world_size: int) -> tuple[int, float]:
@@ -233,9 +269,11 @@ def _crash_body(rank: int, world_size: int, *, crash_stage: int) -> tuple[str, f
     return "no error", time.monotonic() - start
 
 
+@pytest.mark.parametrize("tagless", [False, True], ids=["tags", "tagless"])
 @pytest.mark.parametrize("crash_stage", [2, pytest.param(0, marks=pytest.mark.slow)])
-def test_crash_in_one_stage_fails_every_stage_quickly(crash_stage: int) -> None:
-    results = run_on_ranks(_crash_body, 4, crash_stage=crash_stage, fresh=True, timeout=60)
+def test_crash_in_one_stage_fails_every_stage_quickly(crash_stage: int, tagless: bool) -> None:
+    env = TAGLESS if tagless else None
+    results = run_on_ranks(_crash_body, 4, crash_stage=crash_stage, fresh=True, timeout=60, env=env)
     for rank, (message, elapsed) in enumerate(results):
         assert message != "no error", f"rank {rank} finished although stage {crash_stage} crashed"
         assert elapsed < 10.0, f"rank {rank} took {elapsed:.1f} s to fail"
@@ -270,3 +308,23 @@ def test_non_tensor_stage_output_is_an_error_naming_stage_and_layer() -> None:
     assert first.startswith("TypeError: pipeline stage 0, micro-batch 0, output of layer 2")
     assert "is a dict" in first
     assert second.startswith("PipelineAbortedError")
+
+
+# --- the GPU tier ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved", 2)])
+def test_two_stages_over_gloo_with_cuda_tensors(schedule: str, virtual: int) -> None:
+    # One GPU cannot host two NCCL ranks: two gloo ranks share it, their stages and transfers
+    # on cuda:0 (gloo stages point-to-point through the host), every tag equal as on NCCL.
+    kwargs = {"stages": 2, "schedule": schedule, "virtual": virtual, "steps": 4}
+    results = run_on_ranks(_train_body, 2, device="cuda:0", env=TAGLESS, **kwargs)
+    assert results[0] == results[1]
+
+
+@pytest.mark.gpu(1)
+def test_one_stage_on_nccl() -> None:
+    # the module moves itself to cuda:LOCAL_RANK on an NCCL group; tag-free by the backend
+    results = run_on_ranks(_train_body, 1, backend="nccl", stages=1, steps=4, env=TAGLESS)
+    assert results[0][-1] < results[0][0]

@@ -98,7 +98,7 @@ def _posting_body(rank: int, world_size: int) -> list[list[int]]:
     posted: list[list[int]] = []
     for batch in range(2):
         if rank == 0:
-            ch.start_batch("train", {("grad", 0): 3})
+            ch.start_batch("train", {1: [("grad", 0)] * 3})
             counts = [len(ch._posted.get(("grad", 0), ()))]
             for mb in range(3):
                 ch.send_activation(
@@ -110,7 +110,7 @@ def _posting_body(rank: int, world_size: int) -> list[list[int]]:
                 torch.testing.assert_close(grad, torch.full((2, 3), 10.0 * batch + mb))
             posted.append(counts)
         else:
-            ch.start_batch("train", {("act", 1): 3})
+            ch.start_batch("train", {0: [("act", 1)] * 3})
             for mb in range(3):
                 x = ch.recv_activation(1, "train")
                 torch.testing.assert_close(x, torch.full((2, 3), float(mb)))

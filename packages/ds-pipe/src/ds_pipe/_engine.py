@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_pipe._grad_step import DataParallelStep, GradientStep, StepResult
 from ds_pipe._p2p import PipeChannels, PipelineAbortedError, as_tensor_tuple, is_peer_failure
 from ds_pipe._schedule import (
@@ -69,11 +70,12 @@ class _BatchState:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A schedule ready to run: ``(handler, instruction)`` pairs in order, and the receives
-    per channel ``(kind, chunk)`` that :meth:`PipeChannels.start_batch` posts ahead."""
+    """A schedule ready to run: ``(handler, instruction)`` pairs in order, and what each peer
+    rank sends this one, in its order (see [Note: one ordered stream per pair of ranks] in
+    ``_p2p.py``)."""
 
     calls: list[tuple[Any, PipeInstruction]]
-    expected: dict[tuple[str, int], int]
+    incoming: dict[int, tuple[tuple[str, int], ...]]
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -134,7 +136,10 @@ class PipelineEngine:
         self.schedule_name = schedule
         self._schedule()  # validates the combination before any collective
         params = list(module.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
+        # the stage's device; a stage without parameters uses the accelerator's
+        self.device = (
+            params[0].device if params else torch.device(get_accelerator().current_device_name())
+        )
         world = ds_comm.get_world_size()
         self.group = ds_comm.new_group(ranks=list(range(world)))  # see [Note: failing every stage]
         self.channels = PipeChannels(self.group, self._rank_of_chunk, self.device)
@@ -142,7 +147,8 @@ class PipelineEngine:
         # receive is posted at the start of the batch, instead of an all-reduce (see [Note: what
         # a pipeline batch does]). Replicas or tie groups need every rank in one collective.
         replicas = self.grid.axis_world_size("data") * self.grid.axis_world_size("model")
-        tied = torch.tensor([float(any(len(t.ranks) > 1 for t in module.tied_groups().values()))])
+        tied_anywhere = any(len(t.ranks) > 1 for t in module.tied_groups().values())
+        tied = torch.tensor([float(tied_anywhere)], device=self.device)  # the group's device
         if world > 1:
             ds_comm.all_reduce(tied, op=ds_comm.ReduceOp.MAX, group=self.group)
         self._loss_by_p2p = replicas == 1 and self.num_stages > 1 and not bool(tied.item())
@@ -170,7 +176,6 @@ class PipelineEngine:
         self._plans: dict[
             tuple[str, int], _Plan
         ] = {}  # by mode and micro-batches, see [Note: the per-micro-batch path]
-        self._loss_recv_due = False
         self._dispatch = {
             LoadMicroBatch: self._exec_load,
             ForwardPass: self._exec_forward,
@@ -312,29 +317,50 @@ class PipelineEngine:
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        if mode == "train":
-            schedule = self._schedule()
-        else:
-            schedule = InferenceSchedule(
-                self.micro_batches, self.num_stages, self.stage_id, self.num_virtual_stages
-            )
+        schedule = self._schedule_of(mode, self.stage_id)
         calls = [(self._dispatch[type(cmd)], cmd) for cmd in schedule.instructions()]
-        expected: dict[tuple[str, int], int] = {}
-        for _, cmd in calls:
-            if isinstance(cmd, (RecvActivation, RecvGrad)):
-                key = ("act" if isinstance(cmd, RecvActivation) else "grad", cmd.chunk_id)
-                expected[key] = expected.get(key, 0) + 1
-        plan = self._plans[key] = _Plan(calls, expected)
+        plan = self._plans[key] = _Plan(calls, self._incoming(mode))
         return plan
+
+    def _schedule_of(self, mode: str, stage: int) -> PipeSchedule:
+        if mode == "train":
+            return build_schedule(
+                self.schedule_name,
+                micro_batches=self.micro_batches,
+                stages=self.num_stages,
+                stage_id=stage,
+                virtual_stages=self.num_virtual_stages,
+            )
+        return InferenceSchedule(
+            self.micro_batches, self.num_stages, stage, self.num_virtual_stages
+        )
+
+    def _incoming(self, mode: str) -> dict[int, tuple[tuple[str, int], ...]]:
+        """What each other stage's rank sends this rank in a batch of ``mode``, in its send
+        order: its schedule's sends aimed at this stage, then the loss (see [Note: one ordered
+        stream per pair of ranks] in ``_p2p.py``)."""
+        me, stages = self.stage_id, self.num_stages
+        incoming = {}
+        for stage in range(stages):
+            if stage == me:
+                continue
+            keys: list[tuple[str, int]] = []
+            for cmd in self._schedule_of(mode, stage).instructions():
+                if isinstance(cmd, SendActivation) and (cmd.chunk_id + 1) % stages == me:
+                    keys.append(("act", cmd.chunk_id + 1))
+                elif isinstance(cmd, SendGrad) and (cmd.chunk_id - 1) % stages == me:
+                    keys.append(("grad", cmd.chunk_id - 1))
+            src = self.grid.stage_to_global(stage)
+            if mode == "train" and self._loss_by_p2p and stage == stages - 1:
+                keys.append(("loss", src))  # sent after the schedule, by ReduceTiedGrads
+            if keys:
+                incoming[src] = tuple(keys)
+        return incoming
 
     def _run(self, plan: _Plan) -> None:
         cmd: PipeInstruction | None = None
         try:
-            self.channels.start_batch(self._state.mode, plan.expected)
-            # posted by the first activation send, not ahead of the first forward
-            self._loss_recv_due = (
-                self._state.mode == "train" and self._loss_by_p2p and not self._holds_last_chunk
-            )
+            self.channels.start_batch(self._state.mode, plan.incoming)
             for handler, cmd in plan.calls:
                 handler(cmd)
             self.channels.wait_sends()
@@ -428,9 +454,6 @@ class PipelineEngine:
 
         mb = cmd.micro_batch_id if state.mode == "train" else None
         self.channels.send_activation(outputs, cmd.chunk_id, state.mode, where, mb)
-        if self._loss_recv_due:
-            self._loss_recv_due = False
-            self.channels.post_loss_recv(self._rank_of_chunk(self._last_chunk))
 
     def _exec_recv_activation(self, cmd: RecvActivation) -> None:
         key = (cmd.micro_batch_id, cmd.chunk_id)
@@ -449,7 +472,7 @@ class PipelineEngine:
         # The loss exchange first: before any collective of another group (see [Note: what a
         # pipeline batch does]).
         losses = list(self._state.losses.values())
-        mine = torch.stack(losses).float().mean() if losses else torch.zeros(())
+        mine = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         if not self._loss_by_p2p:
             self.channels.wait_sends()
             self._state.mean_loss = self._all_mean(mine, bool(losses))
@@ -458,7 +481,8 @@ class PipelineEngine:
             self.channels.send_loss(mine.detach().to(self.device), others)
             self._state.mean_loss = mine.detach()
         else:
-            self._state.mean_loss = self.channels.take_loss().clone()
+            src = self._rank_of_chunk(self._last_chunk)
+            self._state.mean_loss = self.channels.take_loss(src).clone()
         self.module.allreduce_tied_weight_gradients()
 
     def _exec_reduce_grads(self, cmd: ReduceGrads) -> None:
@@ -474,9 +498,8 @@ class PipelineEngine:
 
     def _all_mean(self, value: torch.Tensor, contributes: bool) -> torch.Tensor:
         """The mean of ``value`` over the ranks that contribute, known on every rank."""
-        packed = torch.stack(
-            [value.detach().double().cpu(), torch.tensor(float(contributes), dtype=torch.float64)]
-        ).to(self.device)
+        count = torch.tensor(float(contributes), dtype=torch.float64, device=self.device)
+        packed = torch.stack([value.detach().double().reshape(()).to(self.device), count])
         if ds_comm.get_world_size(self.group) > 1:
             ds_comm.all_reduce(packed, group=self.group)
         return (packed[0] / packed[1].clamp(min=1.0)).float()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_optim import global_grad_norm
 
 __all__ = ["DataParallelStep", "GradientStep", "StepResult"]
@@ -153,7 +154,9 @@ class DataParallelStep:
 
     def _global_norm(self, counted: list[torch.Tensor]) -> float:
         """The norm of the scaled gradients over every rank, each element once."""
-        local = global_grad_norm(counted) if counted else torch.zeros(())
+        # the norm group's device: the stage's, or the accelerator's for a stage without grads
+        device = counted[0].device if counted else _device_of(self.params)
+        local = global_grad_norm(counted) if counted else torch.zeros((), device=device)
         square = local.double().square().reshape(1)
         if _size(self.norm_group) > 1:
             ds_comm.all_reduce(square, group=self.norm_group)
@@ -196,6 +199,12 @@ class DataParallelStep:
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         return StepResult(skipped=False, grad_norm=norm)
+
+
+def _device_of(params: Sequence[torch.Tensor]) -> torch.device:
+    if params:
+        return params[0].device
+    return torch.device(get_accelerator().current_device_name())
 
 
 def _size(group: Any) -> int:
