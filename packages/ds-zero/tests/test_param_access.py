@@ -97,6 +97,11 @@ def _body(rank: int, world_size: int, stage: int) -> None:
     for n in names:
         assert _close(ds_zero.param_views(params[n]).full("param"), refs[n]), (stage, n, "after")
 
+    # a full value is a copy, never a view of the optimizer's storage
+    full = ds_zero.param_views(params[w0]).full("exp_avg")
+    full.add_(1.0)
+    assert not torch.equal(ds_zero.param_views(params[w0]).full("exp_avg"), full)
+
     # local round trip, and an unknown key names what exists
     views = ds_zero.param_views(params[w0])
     local = views.local("exp_avg_sq").clone()

@@ -153,7 +153,9 @@ class ParamViews:
             if self.replicated:
                 if view is None:
                     return torch.zeros(self.shape, dtype=torch.float32, device=self._device)
-                return view.narrow(0, 0, held).to(self._device, torch.float32).view(self.shape)
+                # a copy, as the sharded case returns: a full value never aliases the storage
+                whole = view.narrow(0, 0, held).to(self._device, torch.float32, copy=True)
+                return whole.view(self.shape)
             out = torch.zeros(self.numel, dtype=torch.float32, device=self._device)
             if view is not None and held:
                 out.narrow(0, self.start, held).copy_(view.narrow(0, 0, held))
