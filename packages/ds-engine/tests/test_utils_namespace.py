@@ -230,6 +230,7 @@ def test_zero_to_fp32(tmp_path: Path, stage: int) -> None:
         convert_zero_checkpoint_to_fp32_state_dict,
         get_fp32_state_dict_from_zero_checkpoint,
         load_state_dict_from_zero_checkpoint,
+        main,
     )
 
     want = run_on_ranks(_zero_to_fp32_body, 2, stage, str(tmp_path / "ckpt"))[0]
@@ -245,11 +246,14 @@ def test_zero_to_fp32(tmp_path: Path, stage: int) -> None:
     index = json.loads((tmp_path / "sharded" / "pytorch_model.bin.index.json").read_text())
     assert set(index["weight_map"]) == set(state)
     assert len(set(index["weight_map"].values())) > 1
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    halves = torch.load(tmp_path / "bf16" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(halves[n], v.to(torch.bfloat16)) for n, v in want.items())
+    with pytest.raises(ValueError, match="float8"):
+        main([str(tmp_path / "ckpt"), str(tmp_path / "x"), "--dtype", "float8"])
     model = load_state_dict_from_zero_checkpoint(make_mlp(seed=9), tmp_path / "ckpt")
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), want[name]), name
-    from ds_engine.utils.zero_to_fp32 import main
-
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--safe_serialization"]) == 0
     raw = (tmp_path / "cli" / "model.safetensors").read_bytes()
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])

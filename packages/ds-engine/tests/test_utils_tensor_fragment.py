@@ -105,6 +105,12 @@ def _body(rank: int, world_size: int, stage: int) -> None:
     assert safe_get_local_fp32_param(ours[w]).dim() == 1
     with pytest.raises(KeyError, match="exp_avg"):
         safe_get_full_optimizer_state(ours[w], "momentum_buffer")
+    from ds_engine.utils import get_full_hp_param, set_full_hp_param
+
+    moment = get_full_hp_param(ours[w], "exp_avg")
+    set_full_hp_param(ours[w], moment * 3, "exp_avg")
+    assert torch.allclose(get_full_hp_param(ours[w], "exp_avg"), moment * 3)
+    assert torch.equal(get_full_hp_param(ours[w]), safe_get_full_fp32_param(ours[w]))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -23,6 +23,8 @@ from ds_engine.utils.init_on_device import OnDevice
 from ds_engine.utils.module_utils import recursive_getattr, recursive_setattr
 from ds_engine.utils.nvtx import instrument_w_nvtx
 from ds_engine.utils.tensor_fragment import (
+    get_full_hp_grad,
+    get_full_hp_param,
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
@@ -36,6 +38,8 @@ from ds_engine.utils.tensor_fragment import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
+    set_full_hp_grad,
+    set_full_hp_param,
 )
 from ds_engine.utils.z3_leaf_module import (
     get_z3_leaf_modules,
@@ -72,6 +76,10 @@ __all__ = [
     "safe_set_local_optimizer_state",
     "safe_get_local_grad",
     "safe_set_local_grad",
+    "get_full_hp_param",
+    "set_full_hp_param",
+    "get_full_hp_grad",
+    "set_full_hp_grad",
     # ZeRO-3 leaf modules
     "set_z3_leaf_modules",
     "unset_z3_leaf_modules",

@@ -20,6 +20,10 @@ import torch
 import ds_zero
 
 __all__ = [
+    "get_full_hp_grad",
+    "get_full_hp_param",
+    "set_full_hp_grad",
+    "set_full_hp_param",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -157,3 +161,31 @@ def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
 def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Overwrite this rank's part of ``param``'s gradient."""
     _views(param, "safe_set_local_grad").set_local("grad", value)
+
+
+# DeepSpeed binds these to its parameters as methods (``param.get_full_hp_param()``); here they
+# are functions of the parameter, with the same meaning.
+
+
+def get_full_hp_param(param: torch.Tensor, optim_state_key: str | None = None) -> torch.Tensor:
+    """The whole fp32 master (or optimizer state ``optim_state_key``) of ``param``; collective."""
+    kind = "param" if optim_state_key is None else _key(optim_state_key)
+    return _views(param, "get_full_hp_param").full(kind)
+
+
+def set_full_hp_param(
+    param: torch.Tensor, value: torch.Tensor, optim_state_key: str | None = None
+) -> None:
+    """Write this rank's part of the whole ``value`` into ``param``'s master (or state)."""
+    kind = "param" if optim_state_key is None else _key(optim_state_key)
+    _views(param, "set_full_hp_param").set_full(kind, value)
+
+
+def get_full_hp_grad(param: torch.Tensor) -> torch.Tensor:
+    """The whole fp32 gradient of ``param``; collective."""
+    return _views(param, "get_full_hp_grad").full("grad")
+
+
+def set_full_hp_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write this rank's part of the whole ``value`` into ``param``'s gradient."""
+    _views(param, "set_full_hp_grad").set_full("grad", value)

@@ -26,6 +26,7 @@ import ds_zero
 __all__ = [
     "main",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
 ]
@@ -98,32 +99,59 @@ def _shards(state: dict[str, torch.Tensor], limit: int | None) -> list[list[str]
     return files
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _output_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.").lower()
+        if name not in _DTYPES:
+            raise ValueError(f"dtype = {dtype!r}: choose one of {sorted(_DTYPES)}")
+        return _DTYPES[name]
+    if dtype not in set(_DTYPES.values()):
+        raise ValueError(f"dtype = {dtype!r}: choose torch.float32, torch.float16 or bfloat16")
+    return dtype
+
+
+def convert_zero_checkpoint_to_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
+    dtype: torch.dtype | str = torch.float32,
     max_shard_size: int | str | None = "5GB",
     safe_serialization: bool = False,
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
 ) -> None:
-    """Write a ds ZeRO checkpoint as fp32 weight files in ``output_dir``, named as DeepSpeed and
+    """Write a ds ZeRO checkpoint as weight files in ``output_dir``, floating tensors cast to
+    ``dtype`` (float32, float16 or bfloat16; other tensors keep theirs), named as DeepSpeed and
     transformers name them: ``pytorch_model.bin`` (or ``pytorch_model-0000i-of-0000N.bin`` plus
     ``pytorch_model.bin.index.json`` above ``max_shard_size``), or with ``safe_serialization``
     ``model.safetensors`` (sharded likewise).
 
     Example:
-        >>> convert_zero_checkpoint_to_fp32_state_dict("ckpts", "export", tag="global_step100")
+        >>> convert_zero_checkpoint_to_state_dict("ckpts", "export", dtype="bf16")
     """
     _refuse(exclude_frozen_parameters)
+    dtype = _output_dtype(dtype)
     out = Path(output_dir)
     if safe_serialization:
         source = Path(checkpoint_dir) / tag if tag else Path(checkpoint_dir)
         limit: int | str = max_shard_size if max_shard_size is not None else 2**62
-        ds_zero.export_safetensors(
-            source, out, max_shard_size=limit, dtype=torch.float32, progress=False
-        )
+        ds_zero.export_safetensors(source, out, max_shard_size=limit, dtype=dtype, progress=False)
         return
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
+    cast: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
+    for name, value in state.items():
+        if value.is_floating_point():
+            state[name] = cast.setdefault(id(value), value.to(dtype))
     files = _shards(state, _bytes(max_shard_size) if max_shard_size is not None else None)
     out.mkdir(parents=True, exist_ok=True)
     if len(files) == 1:
@@ -137,6 +165,30 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     total = sum(v.numel() * v.element_size() for v in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> None:
+    """:func:`convert_zero_checkpoint_to_state_dict` in fp32.
+
+    Example:
+        >>> convert_zero_checkpoint_to_fp32_state_dict("ckpts", "export", tag="global_step100")
+    """
+    convert_zero_checkpoint_to_state_dict(
+        checkpoint_dir,
+        output_dir,
+        dtype=torch.float32,
+        max_shard_size=max_shard_size,
+        safe_serialization=safe_serialization,
+        tag=tag,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -167,14 +219,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max_shard_size", default="5GB", help="largest file (default 5GB)")
     parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: latest)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     parser.add_argument(
         "--exclude_frozen_parameters", action="store_true", help="not implemented in ds"
     )
     parser.add_argument("-d", "--debug", action="store_true", help="accepted; prints nothing more")
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(
+    convert_zero_checkpoint_to_state_dict(
         args.checkpoint_dir,
         args.output_dir,
+        dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         safe_serialization=args.safe_serialization,
         tag=args.tag,
