@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_zero import GatheredParameters
 
 __all__ = ["EngineSurface", "replace_config"]
@@ -129,11 +130,11 @@ class EngineSurface:
         if optimizer is not None and hasattr(optimizer, "gradient_accumulation_steps"):
             optimizer.gradient_accumulation_steps = gas
 
-    # --- derived config accessors --------------------------------------------------------------
+    # --- accessors of optional sections and derived values --------------------------------------
 
     def is_first_weights_partition_group(self) -> bool:
         """DeepSpeed's name for :meth:`zero_optimization_partition_weights` (one ZeRO-3 group)."""
-        return self.zero_optimization_partition_weights()
+        return self.zero_optimization_partition_weights()  # type: ignore[attr-defined]
 
     def zero_cpu_offload(self) -> bool:
         """Whether the optimizer state is offloaded to the CPU."""
@@ -295,13 +296,13 @@ class EngineSurface:
         return self.timers.snapshot_ms()
 
     def empty_partition_cache(self) -> None:
-        """Release ZeRO-3's gathered parameters and the allocator's cached blocks."""
+        """Release ZeRO-3's gathered (non-persistent) parameters and the accelerator's cached
+        memory."""
         partitioner = getattr(self.optimizer, "partitioner", None)  # ZeRO-3's
         if partitioner is not None:
             partitioner.release_all()
         gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        get_accelerator().empty_cache()
 
     def compile(
         self,
