@@ -46,6 +46,7 @@ def _gpt(vocab: int, dim: int, layers: int, seq: int) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(vocab, dim)
+            nn.init.normal_(self.embed.weight, std=0.02)
             self.position = nn.Parameter(torch.zeros(seq, dim))
             block = nn.TransformerEncoderLayer(
                 dim, dim // 128, 4 * dim, dropout=0.0, activation="gelu", batch_first=True,
@@ -99,34 +100,37 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
     if args.system == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+        os.environ.setdefault("DS_ACCELERATOR", args.device)
         import deepspeed as engine_lib
     else:
         import ds_engine as engine_lib
-    engine_lib.init_distributed(dist_backend="nccl")
+    cuda = args.device == "cuda"
+    engine_lib.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
     dim = _width(args.params, args.layers, args.vocab)
-    model = _gpt(args.vocab, dim, args.layers, args.seq - 1)
+    with device:  # built in place: a 1B model is slow to initialise on the host
+        model = _gpt(args.vocab, dim, args.layers, args.seq - 1)
     n_params = sum(p.numel() for p in model.parameters())
     engine, *_ = engine_lib.initialize(
         model=model,
         model_parameters=model.parameters(),
         config=_config(args.setting, args.micro_batch),
     )
-    device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(1)
     batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device, generator=gen)
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         loss = engine(batch)
         engine.backward(loss)
         engine.step()
-        torch.cuda.synchronize()
+        sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     times.sort()
     median = times[len(times) // 2]
     return {
@@ -135,8 +139,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "params": n_params,
         "tokens_per_s": args.micro_batch * (args.seq - 1) / median,
         "step_s": median,
-        "peak_gib": torch.cuda.max_memory_allocated() / GIB,
-        "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else float("nan"),
+        "reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else float("nan"),
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", default="ds", help=argparse.SUPPRESS)
     parser.add_argument("--setting", default="zero2", help=argparse.SUPPRESS)
+    # A worker on the CPU (gloo) checks the script itself where no GPU is at hand.
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print("RESULT " + json.dumps(_worker(args)), flush=True)

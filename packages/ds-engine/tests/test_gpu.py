@@ -87,7 +87,10 @@ def test_zero_stage_matches_the_reference_on_one_gpu(stage: int, dtype: str) -> 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_on_two_ranks_sharing_the_gpu_over_gloo(stage: int) -> None:
-    errors = run_on_ranks(_parity_body, 2, stage=stage, dtype="fp32", offload=False)
+    # Both ranks on cuda:0: the engine's device follows LOCAL_RANK, as in DeepSpeed.
+    errors = run_on_ranks(
+        _parity_body, 2, env={"LOCAL_RANK": "0"}, stage=stage, dtype="fp32", offload=False
+    )
     assert max(errors) <= TOLERANCE["fp32"], errors
 
 
