@@ -249,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     systems = ["ds"] + (["deepspeed"] if _real_deepspeed_present() else [])
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; systems: {systems}")
-    rows = [_run(args, system, s) for s in args.settings for system in systems]
+    rows = []
+    for setting in args.settings:
+        for system in systems:
+            rows.append(_run(args, system, setting))
+            print(f"# {setting} {system}: {rows[-1]}", flush=True)  # kept if a later run hangs
     print(_table(rows, args.settings, systems))
     print("\n| optimizer | ms/step | effective GB/s |\n|---|---|---|")
     for row in _adam_bench(args.adam_millions, 20):
