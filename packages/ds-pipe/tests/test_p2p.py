@@ -125,3 +125,57 @@ def test_gradient_receives_are_posted_by_the_first_send_not_before() -> None:
     # nothing is posted ahead of the first forward, even in batch 1 whose metadata is known at
     # start_batch; each send tops the channel up to two posted receives
     assert posted == [[0, 2, 2, 2], [0, 2, 2, 2]]
+
+
+def _out_of_order_body(rank: int, world_size: int, *, tagless: bool) -> list[str]:
+    """Rank 0 sends chunk 0's and chunk 2's outputs (to chunks 1 and 3 on rank 1) in that order;
+    rank 1 takes them the other way round. With every tag equal, only posting the receives in
+    the sender's order (declared by ``start_batch``) pairs them right."""
+    ch = PipeChannels(
+        torch.distributed.new_group(ranks=[0, 1]),
+        lambda chunk: chunk % 2,
+        torch.device("cpu"),
+        tagless=tagless,
+    )
+    assert ch.tagless == tagless
+    seen = []
+    for batch in range(2):  # the first negotiates headers, the second sends data only
+        if rank == 0:
+            ch.start_batch("eval", {})
+            for mb in range(3):
+                ch.send_activation(torch.full((2, 3), float(mb)), 0, "eval", "chunk 0")
+                ch.send_activation(torch.full((5,), 10.0 + mb, dtype=torch.float64), 2, "eval", "")
+            ch.wait_sends()
+        else:
+            ch.start_batch("eval", {0: [("act", 1), ("act", 3)] * 3})
+            for mb in range(3):
+                late = ch.recv_activation(3, "eval")  # sent second, taken first
+                early = ch.recv_activation(1, "eval")
+                torch.testing.assert_close(late, torch.full((5,), 10.0 + mb, dtype=torch.float64))
+                torch.testing.assert_close(early, torch.full((2, 3), float(mb)))
+                seen.append(f"{batch}:{mb}")
+    return seen
+
+
+@pytest.mark.parametrize("tagless", [False, True], ids=["tags", "tagless"])
+def test_receives_follow_the_senders_order_whatever_the_takers_order(tagless: bool) -> None:
+    assert run_on_ranks(_out_of_order_body, 2, tagless=tagless)[1] == [
+        f"{b}:{mb}" for b in range(2) for mb in range(3)
+    ]
+
+
+def _mode_body(rank: int, world_size: int) -> list[bool]:
+    from ds_pipe._p2p import resolve_tagless
+
+    group = torch.distributed.new_group(ranks=[0])
+    return [resolve_tagless(group), resolve_tagless(group, tagless=True)]
+
+
+def test_tagless_mode_is_chosen_by_backend_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds_pipe._p2p import resolve_tagless
+
+    assert run_on_ranks(_mode_body, 1) == [[False, True]]  # gloo honours tags
+    assert run_on_ranks(_mode_body, 1, env={"DS_PIPE_TAGLESS": "1"}) == [[True, True]]
+    monkeypatch.setenv("DS_PIPE_TAGLESS", "maybe")
+    with pytest.raises(ValueError, match=r"DS_PIPE_TAGLESS='maybe': expected 1"):
+        resolve_tagless(None)

@@ -29,7 +29,13 @@ import torch
 import ds_comm
 from ds_comm.accelerator import get_accelerator
 from ds_pipe._grad_step import DataParallelStep, GradientStep, StepResult
-from ds_pipe._p2p import PipeChannels, PipelineAbortedError, as_tensor_tuple, is_peer_failure
+from ds_pipe._p2p import (
+    PipeChannels,
+    PipelineAbortedError,
+    as_tensor_tuple,
+    is_peer_failure,
+    resolve_tagless,
+)
 from ds_pipe._schedule import (
     BackwardPass,
     ForwardPass,
@@ -142,7 +148,13 @@ class PipelineEngine:
         )
         world = ds_comm.get_world_size()
         self.group = ds_comm.new_group(ranks=list(range(world)))  # see [Note: failing every stage]
-        self.channels = PipeChannels(self.group, self._rank_of_chunk, self.device)
+        # Without tags, each direction gets a group (see [Note: one ordered stream per pair of
+        # ranks] in _p2p.py); every rank resolves the same mode.
+        tagless = resolve_tagless(self.group)
+        reverse = ds_comm.new_group(ranks=list(range(world))) if tagless and world > 1 else None
+        self.channels = PipeChannels(
+            self.group, self._rank_of_chunk, self.device, tagless=tagless, reverse_group=reverse
+        )
         # One pipeline without tied weights: the last stage sends the loss to the others, whose
         # receive is posted at the start of the batch, instead of an all-reduce (see [Note: what
         # a pipeline batch does]). Replicas or tie groups need every rank in one collective.
@@ -152,6 +164,8 @@ class PipelineEngine:
         if world > 1:
             ds_comm.all_reduce(tied, op=ds_comm.ReduceOp.MAX, group=self.group)
         self._loss_by_p2p = replicas == 1 and self.num_stages > 1 and not bool(tied.item())
+        if reverse is not None:
+            self.channels.connect(self._peers())
         if grad_step is None and optimizer is not None:
             grad_step = DataParallelStep(
                 params,
@@ -374,6 +388,19 @@ class PipelineEngine:
                     f"raised first (here: {exc})"
                 ) from exc
             raise
+
+    def _peers(self) -> list[int]:
+        """The ranks this rank exchanges point-to-point messages with."""
+        last = self._last_chunk
+        chunks = [self.stage_id + k * self.num_stages for k in range(self.num_virtual_stages)]
+        peers = {self._rank_of_chunk(c + d) for c in chunks for d in (-1, 1) if 0 <= c + d <= last}
+        if self._loss_by_p2p:  # the last stage sends every other stage the loss
+            if self._holds_last_chunk:
+                peers.update(self.grid.stage_to_global(s) for s in range(self.num_stages - 1))
+            else:
+                peers.add(self._rank_of_chunk(last))
+        peers.discard(ds_comm.get_rank())
+        return sorted(peers)
 
     def _where(self, cmd: PipeInstruction) -> str:
         chunk = getattr(cmd, "chunk_id", self.stage_id)

@@ -41,6 +41,17 @@ activation; ``_take`` receives the header at once (it is about to wait for later
 When nothing declared what a peer sends (the channels used on their own, as in tests), each
 receive is posted when asked for, and the caller's receive order must match the sends.
 
+On NCCL the posting order has a second constraint: torch runs all the point-to-point ops
+between two ranks of a group on one stream, in posting order, and an NCCL receive (or a large
+send) occupies that stream until its peer's matching op runs. A receive posted ahead of a send
+to the same peer could then wait for a message that the peer only sends after receiving that
+send: a deadlock no tag can fix. So without tags each direction has a group of its own
+(``reverse_group``: messages to a lower rank): on a (group, pair) stream one rank only sends and
+the other only receives, in the same order, and the kth send always meets the kth receive.
+NCCL also creates a pair's communicator at the pair's first op, blocking both CPUs until both
+arrive, so :meth:`PipeChannels.connect` opens every pair's streams at construction in one
+global order (pairs sorted by rank: a rank only ever waits for a pair that comes earlier).
+
 Tags are then only a safety net. On gloo (which honours them) each channel keeps its own tag, as
 before; everywhere else (NCCL, or ``DS_PIPE_TAGLESS=1``, which the tests use to run every gloo
 test with all tags equal) every message uses tag 0.
@@ -247,6 +258,8 @@ class PipeChannels:
             coordinates).
         device: the stage's device: received tensors are returned there.
         tagless: send every message with tag 0 (None: see :func:`resolve_tagless`).
+        reverse_group: a second group over the same ranks for messages to lower ranks (see
+            [Note: one ordered stream per pair of ranks]); None: ``group`` carries both ways.
 
     Attributes:
         tagless: whether every message uses the same tag.
@@ -259,9 +272,16 @@ class PipeChannels:
     """
 
     def __init__(
-        self, group: Any, rank_of_chunk: Any, device: torch.device, tagless: bool | None = None
+        self,
+        group: Any,
+        rank_of_chunk: Any,
+        device: torch.device,
+        tagless: bool | None = None,
+        reverse_group: Any = None,
     ) -> None:
         self.group = group
+        self.reverse_group = reverse_group if reverse_group is not None else group
+        self._me = ds_comm.get_rank()
         self.rank_of_chunk = rank_of_chunk
         self.device = torch.device(device)
         self.tagless = resolve_tagless(group, tagless)
@@ -318,6 +338,30 @@ class PipeChannels:
             return self._rank(value + 1)
         return value  # the loss: its source rank
 
+    def _group_to(self, dst: int) -> Any:
+        """The group carrying messages from this rank to ``dst``."""
+        return self.group if dst > self._me else self.reverse_group
+
+    def _group_from(self, src: int) -> Any:
+        """The group carrying messages from ``src`` to this rank."""
+        return self.group if src < self._me else self.reverse_group
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """Open the streams to and from each of ``peers`` now, every rank together, in one
+        global order (see [Note: one ordered stream per pair of ranks]); one tiny message each
+        way. Only needed where a backend connects a pair at its first op (NCCL)."""
+        for peer in sorted(set(peers) - {self._me}):
+            outgoing = torch.ones(1, device=self.wire_device)
+            incoming = torch.zeros(1, device=self.wire_device)
+            if self._me < peer:  # both sides post the pair's two ops in the same order
+                sent = ds_comm.isend(outgoing, peer, group=self._group_to(peer))
+                got = ds_comm.irecv(incoming, peer, group=self._group_from(peer))
+            else:
+                got = ds_comm.irecv(incoming, peer, group=self._group_from(peer))
+                sent = ds_comm.isend(outgoing, peer, group=self._group_to(peer))
+            sent.wait()
+            got.wait()
+
     def _tag(self, key: Key) -> int:
         if self.tagless:
             return 0
@@ -362,9 +406,10 @@ class PipeChannels:
         """Receive (blocking) the header of virtual stage ``chunk``'s input."""
         src, tag = self._rank(chunk - 1), self._tag(("act", chunk))
         length = torch.zeros(1, dtype=torch.int64, device=self.wire_device)
-        ds_comm.irecv(length, src, group=self.group, tag=tag).wait()
+        group = self._group_from(src)
+        ds_comm.irecv(length, src, group=group, tag=tag).wait()
         header = torch.zeros(int(length.item()), dtype=torch.int64, device=self.wire_device)
-        ds_comm.irecv(header, src, group=self.group, tag=tag).wait()
+        ds_comm.irecv(header, src, group=group, tag=tag).wait()
         cached = self._metas[(self._mode, chunk - 1)] = _decode(header)
         return cached
 
@@ -376,7 +421,8 @@ class PipeChannels:
         tag, metas = plan
         device = self.wire_device
         buffers = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-        works = [ds_comm.irecv(b, peer, group=self.group, tag=tag) for b in buffers]
+        group = self._group_from(peer)
+        works = [ds_comm.irecv(b, peer, group=group, tag=tag) for b in buffers]
         posted = self._posted.get(key)
         if posted is None:
             posted = self._posted[key] = deque()
@@ -430,7 +476,7 @@ class PipeChannels:
         if tensor.device != self.wire_device:
             tensor = tensor.to(self.wire_device)
         tensor = tensor.contiguous()
-        work = ds_comm.isend(tensor, dst, group=self.group, tag=tag)
+        work = ds_comm.isend(tensor, dst, group=self._group_to(dst), tag=tag)
         self._pending.setdefault(key, []).append((work, tensor))
 
     def _sent_on(self, chunk: int | None) -> None:
@@ -544,7 +590,7 @@ class PipeChannels:
     # --- failure ---------------------------------------------------------------------------------
 
     def abort(self) -> None:
-        """Fail the pipeline group on every rank (see [Note: failing every stage])."""
+        """Fail the pipeline group(s) on every rank (see [Note: failing every stage])."""
         incoming = self._incoming
         self._pending.clear()
         self._posted.clear()
@@ -552,24 +598,33 @@ class PipeChannels:
         world = ds_comm.get_world_size(self.group)
         if world < 2 or not self._gloo:
             return
-        me = ds_comm.get_rank()
+        groups = (
+            [self.group] if self.reverse_group is self.group else [self.group, self.reverse_group]
+        )
+        for group in groups:
+            self._fail(group, incoming)
+
+    def _fail(self, group: Any, incoming: Mapping[int, Sequence[Key]]) -> None:
+        """Make one receive on ``group`` time out, which closes its connections."""
         # A receive from a peer whose connection is already closed fails at once without
         # closing the others, so try every peer until one times out.
-        for peer in dist.get_process_group_ranks(self.group):
-            if peer == me:
+        for peer in dist.get_process_group_ranks(group):
+            if peer == self._me:
                 continue
+            # what the peer still sends this rank on this group
+            declared = incoming.get(peer, ()) if self._group_from(peer) is group else ()
             try:
-                for work in self._abort_receives(peer, incoming.get(peer, ())):
+                for work in self._abort_receives(peer, group, declared):
                     work.wait(datetime.timedelta(milliseconds=1))
             except RuntimeError as exc:
                 if "timed out" in str(exc).lower():
                     return  # gloo closed every connection of the group
 
-    def _abort_receives(self, peer: int, incoming: Sequence[Key]) -> Iterator[Any]:
-        """Raw (untracked: they are meant to time out) receives from ``peer`` that end in one
-        nothing can match; the caller waits for each in turn (see [Note: failing every
-        stage])."""
-        group, wire = self.group, self.wire_device
+    def _abort_receives(self, peer: int, group: Any, incoming: Sequence[Key]) -> Iterator[Any]:
+        """Raw (untracked: they are meant to time out) receives from ``peer`` on ``group`` that
+        end in one nothing can match; the caller waits for each in turn (see [Note: failing
+        every stage])."""
+        wire = self.wire_device
 
         def recv(tensor: torch.Tensor, tag: int = 0) -> Any:  # bytes, as ds_comm sends them
             return dist.irecv(tensor.reshape(-1).view(torch.uint8), src=peer, group=group, tag=tag)
