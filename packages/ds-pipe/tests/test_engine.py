@@ -326,5 +326,7 @@ def test_two_stages_over_gloo_with_cuda_tensors(schedule: str, virtual: int) -> 
 @pytest.mark.gpu(1)
 def test_one_stage_on_nccl() -> None:
     # the module moves itself to cuda:LOCAL_RANK on an NCCL group; tag-free by the backend
-    results = run_on_ranks(_train_body, 1, backend="nccl", stages=1, steps=4, env=TAGLESS)
+    results = run_on_ranks(
+        _train_body, 1, backend="nccl", stages=1, steps=4, device="cuda:0", env=TAGLESS
+    )
     assert results[0][-1] < results[0][0]
