@@ -119,3 +119,25 @@ def test_module_state_dict_and_load_module_state_dict(world_size: int) -> None:
         assert got["trainable"] == ["0.weight", "3.bias", "3.weight"]
         assert got["custom"] == ([["0.bias", "0.weight", "3.bias", "3.weight"]], True)
         assert got["kept"] and got["loaded_partial"]
+
+
+def _custom_load_body(rank: int, world_size: int, path: str) -> dict:
+    import ds_engine
+
+    engine, *_ = ds_engine.initialize(model=make_mlp(), config=config())
+    engine.save_checkpoint(path, tag="t")
+    calls = []
+
+    def custom(src, dst):
+        calls.append((sorted(src), dst is engine.module))
+        dst.load_state_dict(src)
+
+    loaded, _ = engine.load_checkpoint(path, tag="t", custom_load_fn=custom)
+    return {"calls": calls, "loaded": loaded is not None}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_checkpoint_custom_load_fn(world_size: int, tmp_path: Path) -> None:
+    for got in run_on_ranks(_custom_load_body, world_size, path=str(tmp_path), timeout=300):
+        keys = ["0.bias", "0.weight", "3.bias", "3.weight"]
+        assert got == {"calls": [(keys, True)], "loaded": True}

@@ -25,7 +25,7 @@ import random
 import shutil
 import sys
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,9 +296,18 @@ def _zero_dir(engine: DeepSpeedEngine) -> str:
 
 
 def _load_module(
-    engine: DeepSpeedEngine, path: Path, saved: dict[str, Any], strict: bool, partitioned: set[str]
+    engine: DeepSpeedEngine,
+    path: Path,
+    saved: dict[str, Any],
+    strict: bool,
+    partitioned: set[str],
+    custom_load_fn: Callable[..., Any] | None = None,
 ) -> None:
-    """The model file's weights; stage 3's partitioned ones come from the zero shards after."""
+    """The model file's weights (through ``custom_load_fn(src=, dst=)`` when given, as in
+    DeepSpeed); stage 3's partitioned ones come from the zero shards after."""
+    if custom_load_fn is not None:
+        custom_load_fn(src=saved, dst=engine.module)
+        return
     if not partitioned:
         load_module_state(engine.module, path, saved, engine.expert_groups, strict)
         return
@@ -334,6 +343,7 @@ def load_checkpoint(
     optimizer_states: bool,
     lr_scheduler_states: bool,
     module_only: bool,
+    custom_load_fn: Callable[..., Any] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint written by :func:`save_checkpoint` (weights only, never code)."""
     path = resolve_checkpoint(load_dir, tag)
@@ -344,7 +354,7 @@ def load_checkpoint(
     state = torch.load(model_file, map_location="cpu", weights_only=True)
     # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).
     partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
-    _load_module(engine, path, state["module"], strict, partitioned)
+    _load_module(engine, path, state["module"], strict, partitioned, custom_load_fn)
     optimizer = engine.optimizer
     from_shards = optimizer_states and isinstance(optimizer, _ZERO)
     if partitioned and not (

@@ -466,8 +466,10 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load ``load_dir/tag`` (``tag`` None: the one named in ``latest``).
+        """Load ``load_dir/tag`` (``tag`` None: the one named in ``latest``); the module's
+        weights through ``custom_load_fn(src=state_dict, dst=module)`` when given.
 
         Returns:
             ``(load_path, client_state)``, or ``(None, None)`` when there is nothing to load.
@@ -482,6 +484,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
             optimizer_states=load_optimizer_states and not load_module_only,
             lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
             module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
         )
 
 

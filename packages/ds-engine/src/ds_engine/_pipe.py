@@ -570,12 +570,20 @@ class PipelineDeepSpeedEngine(EngineSurface):
         tag: str | None = None,
         client_state: Mapping[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Save the layers and every rank's state to ``save_dir/tag`` atomically; returns True.
+
+        ``exclude_frozen_parameters=True`` is refused: the per-layer files hold whole layers.
 
         Example:
             >>> engine.save_checkpoint("ckpt")  # ckpt/global_step<N>/layer_00-model_states.pt, ...
         """
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True) is not implemented for a "
+                "PipelineModule: its layer_XX-model_states.pt files hold whole layers"
+            )
         client_state = dict(client_state or {})
         check_client_state(client_state)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
@@ -594,13 +602,20 @@ class PipelineDeepSpeedEngine(EngineSurface):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load ``load_dir/tag`` (None: the tag in ``latest``); only the layers with
-        ``load_module_only`` (any stage count).
+        ``load_module_only`` (any stage count). ``custom_load_fn`` is refused, as in DeepSpeed
+        (a pipeline loads its layers from per-layer files).
 
         Returns:
             ``(load_path, client_state)``, or ``(None, None)`` when there is nothing to load.
         """
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...) is not supported with a PipelineModule (as "
+                "in DeepSpeed): its layers load from per-layer files"
+            )
         path = resolve_checkpoint(load_dir, tag)
         if path is None:
             return None, None
