@@ -19,8 +19,10 @@ from _deepspeed_surface import (
     CLIENT_PRIVATE_METHODS,
     ENGINE_ATTRIBUTES,
     ENGINE_METHODS,
+    ENGINE_SIGNATURES,
     INITIALIZE_PARAMETERS,
     PIPELINE_METHODS,
+    PIPELINE_SIGNATURES,
 )
 from _engine_testing import config, loss_of, make_dataset, make_mlp
 
@@ -188,6 +190,37 @@ def test_accessors_read_the_config(world_size: int) -> None:
         assert got["names"] == ("Adam", {"lr": 1e-2, "weight_decay": 0.0}, None, None)
         assert got["batch"] == (2 * 3 * world_size, 2, 3)
         assert got["config_get"] == 2 and got["config_type"] == "dict"
+
+
+def _parameters(cls: type, name: str) -> tuple[str, ...] | None:
+    """The parameter names after ``self`` of ``cls.name`` (None: not a plain function, or one
+    taking ``*args``/``**kwargs``, which accepts DeepSpeed's)."""
+    attr = inspect.getattr_static(cls, name, None)
+    if isinstance(attr, staticmethod):
+        attr = attr.__func__
+    if not inspect.isfunction(attr):
+        return None
+    params = list(inspect.signature(attr).parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return tuple(p.name for p in params if p.name != "self")
+
+
+def test_methods_take_deepspeeds_parameters() -> None:
+    from ds_engine import DeepSpeedEngine
+    from ds_engine._pipe import PipelineDeepSpeedEngine
+
+    pipe_reference = {**ENGINE_SIGNATURES, **PIPELINE_SIGNATURES}
+    for cls, reference in (
+        (DeepSpeedEngine, ENGINE_SIGNATURES),
+        (PipelineDeepSpeedEngine, pipe_reference),
+    ):
+        different = {}
+        for name, expected in reference.items():
+            ours = _parameters(cls, name)
+            if ours is not None and ours != expected:
+                different[name] = (ours, expected)
+        assert different == {}, cls.__name__
 
 
 def test_initialize_signature_is_deepspeeds() -> None:
