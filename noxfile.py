@@ -37,7 +37,12 @@ DISTRIBUTIONS = {
 NEEDS_SYSTEM_DEPS = {"ds-offload-aio", "ds-launch"}
 
 # The default CI run: everything but benchmarks and tests marked slow.
-nox.options.sessions = ["lint", *(f"test-{name}" for name in DISTRIBUTIONS), "integration"]
+nox.options.sessions = [
+    "lint",
+    *(f"test-{name}" for name in DISTRIBUTIONS),
+    "integration",
+    "clients",
+]
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -99,7 +104,19 @@ def integration(session: nox.Session) -> None:
     """Install the whole stack (ds-engine and everything) and run the cross-package tests."""
     _system_deps(session)
     _sync(session, "--all-packages", "--group", "integration")
-    _pytest(session, "integration")
+    # integration/clients needs transformers, accelerate and Lightning: the `clients` session.
+    _pytest(session, "integration", "--ignore=integration/clients")
+
+
+@nox.session
+def clients(session: nox.Session) -> None:
+    """transformers, accelerate and Lightning on ds through the opt-in `deepspeed` package.
+
+    2 CPU ranks per scenario, losses compared with real DeepSpeed's (integration/clients).
+    """
+    _system_deps(session)
+    _sync(session, "--all-packages", "--group", "clients")
+    _pytest(session, "integration/clients")
 
 
 @nox.session

@@ -1,0 +1,73 @@
+"""Accelerate on DeepSpeed: a plain training loop, 2 ranks.
+
+    # the plugin given in code (ZeRO-2), under torchrun:
+    python -m torch.distributed.run --nproc_per_node 2 run_accelerate.py --mode plugin --out DIR
+    # the plugin read from an ``accelerate launch`` config file (ZeRO-2, 2 accumulation steps):
+    accelerate launch --config_file accelerate_zero2.yaml run_accelerate.py --mode launch --out DIR
+
+The optimizer is the client's own ``torch.optim.AdamW`` (no ``optimizer`` section in the config),
+the other half of how DeepSpeed meets its users. Each rank writes ``DIR/result.rank<r>.json`` with
+the loss of every micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _scenario
+import torch
+
+
+def build_accelerator(mode: str):  # -> accelerate.Accelerator
+    """An Accelerator on DeepSpeed whose process group is gloo (the machine has no GPU)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    handlers = [InitProcessGroupKwargs(backend="gloo")]
+    if mode == "launch":
+        # `accelerate launch` passed the DeepSpeed settings of its config file in the environment.
+        return Accelerator(kwargs_handlers=handlers)
+    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", required=True, choices=["plugin", "launch"])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    accelerator = build_accelerator(args.mode)
+    _scenario.seed_everything()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_scenario.tiny_llama_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=_scenario.LR)
+    dataset = _scenario.TokenDataset(_scenario.MICRO_BATCH * 2 * _scenario.STEPS)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=_scenario.MICRO_BATCH, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    losses: list[float] = []
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach().item()))
+        if len(losses) == _scenario.STEPS:
+            break
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    _scenario.write_result(
+        args.out,
+        losses=losses,
+        zero_stage=int(engine.zero_optimization_stage()),
+        accumulation=int(engine.gradient_accumulation_steps()),
+        global_steps=int(engine.global_steps),
+    )
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
