@@ -214,26 +214,29 @@ def test_configure_options(tmp_path) -> None:
 
 
 def test_rng_tracker() -> None:
+    from ds_comm.accelerator import get_accelerator
     from ds_engine.checkpointing import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
+    acc = get_accelerator()
+    device = acc.current_device_name()  # the tracker holds the accelerator's generator states
     model_parallel_cuda_manual_seed(5)
     tracker = get_cuda_rng_tracker()
-    default_draw = torch.rand(3)
-    torch.manual_seed(5)
-    assert torch.equal(torch.rand(3), default_draw)  # the default generator got the seed
-    before = torch.get_rng_state()
+    default_draw = torch.rand(3, device=device)
+    acc.manual_seed(5)
+    assert torch.equal(torch.rand(3, device=device), default_draw)  # the default got the seed
+    before = acc.get_rng_state()
     with tracker.fork():
-        first = torch.rand(3)
-    assert torch.equal(torch.get_rng_state(), before)  # fork left the default untouched
-    torch.manual_seed(5 + 2718)
-    assert torch.equal(torch.rand(3), first)
+        first = torch.rand(3, device=device)
+    assert torch.equal(acc.get_rng_state(), before)  # fork left the default untouched
+    acc.manual_seed(5 + 2718)
+    assert torch.equal(torch.rand(3, device=device), first)
     states = tracker.get_states()
     with tracker.fork():
-        second = torch.rand(3)
+        second = torch.rand(3, device=device)
     assert not torch.equal(first, second)  # the tracked state advanced
     tracker.set_states(states)
     with tracker.fork():
-        assert torch.equal(torch.rand(3), second)
+        assert torch.equal(torch.rand(3, device=device), second)
     with pytest.raises(ValueError, match="seed"):
         tracker.add("other", 5 + 2718)
     with pytest.raises(KeyError, match="no state"), tracker.fork("missing"):

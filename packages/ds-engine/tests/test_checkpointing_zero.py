@@ -52,6 +52,8 @@ def _body(rank: int, world_size: int, stage: int) -> None:
         model_parameters=model.parameters(),
         config=config(train_micro_batch_size_per_gpu=2, zero_optimization=section),
     )
+    device = engine.device  # the accelerator's: the reference trains there too
+    ref.to(device)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
@@ -59,6 +61,7 @@ def _body(rank: int, world_size: int, stage: int) -> None:
             torch.randn(2 * world_size, 8, generator=gen),
             torch.randn(2 * world_size, 4, generator=gen),
         )
+        x, y = x.to(device), y.to(device)
         mine = slice(2 * rank, 2 * rank + 2)
         engine.backward(torch.nn.functional.mse_loss(engine(x[mine]), y[mine]))
         engine.step()

@@ -216,12 +216,13 @@ def _zero_to_fp32_body(rank: int, world_size: int, stage: int, folder: str) -> d
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         batch = [torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)]
+        batch = [t.to(engine.device) for t in batch]
         engine.backward(loss_of(engine, [t.chunk(world_size)[rank] for t in batch]))
         engine.step()
     engine.save_checkpoint(folder, tag="step2")
     from ds_engine.utils import safe_get_full_fp32_param
 
-    return {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    return {n: safe_get_full_fp32_param(p).cpu() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -56,12 +56,15 @@ def _body(rank: int, world_size: int, stage: int) -> None:
         model_parameters=model.parameters(),
         config=config(train_micro_batch_size_per_gpu=MICRO, zero_optimization=section),
     )
+    device = engine.device  # the accelerator's: the reference trains there too
+    ref.to(device)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     names = [n for n, _ in ref.named_parameters()]
     ours = dict(model.named_parameters())
     refs = dict(ref.named_parameters())
 
     def step(batch, *, change_grad: bool = False) -> None:
+        batch = [t.to(device) for t in batch]
         mine = [t.chunk(world_size)[rank] for t in batch]
         engine.backward(loss_of(engine, mine))
         loss_of(ref, batch).backward()
