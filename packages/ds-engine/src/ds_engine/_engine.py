@@ -2,8 +2,8 @@
 
 [Note: what the engine adds to ds-zero]
 ``ds_zero.ZeroOptimizer`` owns gradients, reductions, loss scaling, clipping and the optimizer
-step for stages 0-2. The engine adds what DeepSpeed users expect around it: casting the model to
-fp16/bf16, building the optimizer and LR schedule from the config (or taking the client's),
+step for stages 0-2. The engine adds what DeepSpeed users expect around it: placing the model on
+the accelerator's device and casting its parameters to fp16/bf16, building the optimizer and LR schedule from the config (or taking the client's),
 counting micro-batches (``step()`` is called after every micro-batch and only steps at the
 accumulation boundary), stepping the schedule only on steps that were not skipped for overflow,
 the data loader, checkpoints and what rank 0 prints.
@@ -40,8 +40,6 @@ from ds_zero import MemoryBreakdown, build_zero_optimizer
 
 __all__ = ["DeepSpeedEngine"]
 
-_LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 def _dp_group_of(mpu: Any) -> tuple[Any, int, int]:
     """The data-parallel group (None: the default one), this rank's index in it and its size."""
@@ -63,7 +61,14 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
 
     Attributes:
         module: the wrapped model.
+        config: the user's config dict, as DeepSpeed's ``engine.config`` (``_config``: the
+            parsed :class:`DeepSpeedConfig` the engine reads).
+        device: the accelerator's device of this rank (see [Note: where the engine puts the
+            model]); ``local_rank``, ``global_rank``, ``world_size``, ``dp_world_size``,
+            ``mp_world_size`` and ``seq_dp_world_size`` as in DeepSpeed.
         optimizer: the ZeRO optimizer (or the 1-bit optimizer's step wrapper).
+        basic_optimizer: the torch optimizer it steps (the client's or the config's).
+        monitor: ``(tag, value, step)`` events (see ``_monitor.py``).
         lr_scheduler: the LR schedule, stepped once per optimizer step (None: constant).
         expert_groups: ds-moe's process groups of the model's MoE layers (None without any;
             see [Note: MoE under the engine]).
