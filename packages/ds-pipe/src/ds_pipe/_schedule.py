@@ -15,9 +15,10 @@ stage's chunk ``c`` feeds the first stage's chunk ``c + 1``), gradients the othe
 [Note: why the order is deadlock-free]
 Unlike DeepSpeed, whose stages pair blocking sends and receives in lock step (even stages send
 first, odd ones receive first), the engine posts every send without waiting and blocks only on
-receives, and each (virtual stage, direction) has its own tag, so messages match by channel, in
-order. A stage then waits only for work its neighbour has already scheduled before that
-neighbour waits on it: 1F1B, GPipe and the interleaved order are topological orders of the
+receives, and each rank posts its receives from a peer in that peer's send order (see [Note: one
+ordered stream per pair of ranks] in ``_p2p.py``), so messages match by channel, in order, with
+or without tags. A stage then waits only for work its neighbour has already scheduled before
+that neighbour waits on it: 1F1B, GPipe and the interleaved order are topological orders of the
 micro-batch dependency graph. ``simulate()`` in the tests executes all stages' lists under exactly
 these rules and fails on a cycle.
 """
