@@ -42,6 +42,11 @@ def _zero3_body(rank: int, world_size: int) -> dict:
     reference = reference_adam(make_mlp(), batches)
     other = make_mlp(seed=5)
     engine.load_module_state_dict({"module": other.state_dict()}, fetch_z3_params=True)
+    # The fp32 masters follow the loaded weights: a step at lr 0 publishes them unchanged.
+    for group in engine.basic_optimizer.param_groups:
+        group["lr"] = 0.0
+    engine.backward(loss_of(engine, [t.chunk(world_size)[rank] for t in batches[0]]))
+    engine.step()
     loaded = engine._zero3_consolidated_16bit_state_dict()
     x = batches[0][0]
     with torch.no_grad():
