@@ -52,8 +52,14 @@ def _zero3_body(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         same_forward = torch.allclose(engine(x), other(x), atol=1e-6)
     module_keys = list(engine.module_state_dict())
+    with torch.no_grad(), ds_engine.zero.GatheredParameters(list(engine.module.parameters())):
+        engine.empty_partition_cache()  # releases what the context gathered, early
+        released = all(p.numel() == 0 for p in engine.module.parameters())
+    with torch.no_grad():
+        still_runs = torch.allclose(engine(x), other(x), atol=1e-6)
     out = {"partitioned": partitioned, "none_elsewhere": rank == 0 or initial is None}
-    out["same_forward"] = same_forward
+    out["same_forward"] = same_forward and still_runs
+    out["released"] = released
     out["module_keys"] = module_keys == list(other.state_dict())
     if rank == 0:
         out["initial"] = _max_diff(initial, make_mlp().state_dict())
@@ -68,7 +74,7 @@ def test_zero3_consolidated_state_dict_is_the_whole_model(world_size: int) -> No
     results = run_on_ranks(_zero3_body, world_size, timeout=600)
     for got in results:
         assert got["partitioned"] and got["none_elsewhere"]
-        assert got["same_forward"] and got["module_keys"]
+        assert got["same_forward"] and got["module_keys"] and got["released"]
     first = results[0]
     assert first["initial"] == 0.0 and first["loaded"] == 0.0 and first["on_cpu"]
     assert first["trained"] < 1e-5
