@@ -7,7 +7,10 @@ that exist on entry, and those defined inside through ``Module.__init_subclass__
 restored on exit. When the outermost ``__init__`` of a module returns, its own parameters
 (``recurse=False``) are cast to ``dtype``, broadcast from rank 0 of the group (so every rank
 keeps its slice of rank 0's values whatever each rank's random state was) and partitioned by the
-context's :class:`~ds_zero._partitioned.ParamPartitioner`. Children are built (and partitioned)
+context's :class:`~ds_zero._partitioned.ParamPartitioner`. Parameters are partitioned straight onto the accelerator's current device
+(:func:`init_device`): whole parameters are moved there before the broadcast, and the shards
+are cut there, or in host memory when parameters are offloaded. Children are built (and
+partitioned)
 inside their parent's ``__init__``, so at any moment a rank holds the shards built so far plus
 one module's whole parameters: a model larger than a rank's memory can be built.
 
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_zero._partitioned import ParamPartitioner, ZeroParamStatus, is_partitioned
 from ds_zero.api import ConfigError, OffloadParamConfig, ZeroConfig
 
@@ -196,6 +200,13 @@ _WRAPPED: list[type] = []  # classes whose __init__ is wrapped while _ACTIVE is 
 _SAVED: dict[str, Any] = {}  # Module attributes replaced while _ACTIVE is non-empty
 
 
+def init_device() -> torch.device:
+    """The device ``Init`` partitions onto: the accelerator's current device (DeepSpeed's
+    ``local_device``), where gathered parameters live and, unless parameters are offloaded
+    (``offload_param`` or ``remote_device``, which keep the shards in host memory), the shards."""
+    return torch.device(get_accelerator().current_device_name())
+
+
 def _read_config(config: Any) -> tuple[ZeroConfig | None, torch.dtype | None]:
     """``zero_optimization`` and the training dtype of a DeepSpeed config (dict or JSON path)."""
     if config is None:
@@ -317,7 +328,8 @@ class Init(contextlib.ContextDecorator):
             group, or ``mpu.get_data_parallel_group()``).
         mem_efficient_linear: accepted for compatibility (linear layers need no special
             autograd function here).
-        remote_device: where shards live: None/"none" (with the parameters), "cpu" or "nvme"
+        remote_device: where shards live: None/"none" (on the accelerator's current device,
+            :func:`init_device`), "cpu" or "nvme"
             (needs a config with ``offload_param.nvme_path``). A config's ``offload_param``
             wins, as in DeepSpeed.
         pin_memory: page-locked host shards with ``remote_device="cpu"`` (CUDA only).
@@ -413,6 +425,7 @@ class Init(contextlib.ContextDecorator):
             persistence_threshold=self.persistence_threshold,
             offload=self.offload,
             shard_store=store,
+            compute_device=init_device(),
         )
 
     def _partition_module(self, module: nn.Module) -> None:

@@ -103,6 +103,11 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id") and hasattr(p, "ds_tensor")
 
 
+def _can_pin() -> bool:
+    """Page-locked host memory needs a device runtime to register it with."""
+    return torch.cuda.is_available()
+
+
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """``[start, stop)`` of the unpadded elements held by ``rank`` (may be empty)."""
     s = math.ceil(numel / world_size)
@@ -182,7 +187,9 @@ class ParamPartitioner:
         persistence_threshold: parameters of at most this many elements stay whole.
         offload: ``offload_param``: where shards live (None: on the compute device).
         shard_store: the store behind ``offload.device == "nvme"``.
-        compute_device: where gathered parameters live (None: the parameters' own device).
+        compute_device: where gathered parameters live and, without ``offload``, the shards
+            (None: each parameter's own device). ``ds_zero.Init`` passes the accelerator's
+            current device, so a model is partitioned straight onto it.
 
     Example:
         >>> partitioner = ParamPartitioner(dp_group, persistence_threshold=0)
@@ -227,6 +234,17 @@ class ParamPartitioner:
     def _device_of(self, p: torch.Tensor) -> torch.device:
         return self.compute_device if self.compute_device is not None else p.device
 
+    def shard_device(self, p: torch.Tensor) -> torch.device:
+        """Where ``p``'s shard lives: host memory with ``offload_param`` (``"cpu"``, and
+        ``"nvme"`` between reads), else the compute device (see [Note: partitioned
+        parameters])."""
+        if self.offload_device in ("cpu", "nvme"):
+            return torch.device("cpu")
+        return self._device_of(p)
+
+    def _pinned_shards(self) -> bool:
+        return self.offload_device in ("cpu", "nvme") and self.pin_memory and _can_pin()
+
     def partition(
         self,
         params: Iterable[torch.nn.Parameter],
@@ -256,6 +274,9 @@ class ParamPartitioner:
                 src = dist.get_global_rank(self.group, broadcast_from)
             with torch.no_grad():
                 for p in todo:
+                    # the group's collectives take tensors on the compute device (NCCL)
+                    if p.device != self._device_of(p):
+                        p.data = p.data.to(self._device_of(p))
                     ds_comm.broadcast(p.data, src, group=self.group)
         for p in todo:
             self._partition_one(p, name_of.get(id(p)))
@@ -264,13 +285,12 @@ class ParamPartitioner:
         numel, world = p.numel(), self.world_size
         s = math.ceil(numel / world) if numel else 0
         start, stop = shard_bounds(numel, world, self.rank)
-        shard = torch.zeros(s, dtype=p.dtype, device=p.device)
+        shard = torch.empty(
+            s, dtype=p.dtype, device=self.shard_device(p), pin_memory=self._pinned_shards()
+        )
         with torch.no_grad():
             shard.narrow(0, 0, stop - start).copy_(p.data.reshape(-1)[start:stop])
-        if self.offload_device in ("cpu", "nvme"):
-            pin = self.pin_memory and torch.cuda.is_available()
-            host = torch.empty(s, dtype=p.dtype, device="cpu", pin_memory=pin)
-            shard = host.copy_(shard)
+            shard.narrow(0, stop - start, s - (stop - start)).zero_()
         p.ds_id = next(_DS_IDS)
         p.ds_shape = tuple(p.shape)
         p.ds_numel = numel
