@@ -262,3 +262,34 @@ def test_zero_to_fp32(tmp_path: Path, stage: int) -> None:
     assert {header[n]["dtype"] for n in want} == {"F32"}
     with pytest.raises(NotImplementedError, match="lazy_mode"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", lazy_mode=True)
+
+
+def _engine_publishes_groups_body(rank: int, world_size: int) -> None:
+    import torch
+
+    import ds_comm
+    import ds_engine
+    import ds_moe
+    from ds_engine.utils import groups
+
+    mpu = ds_comm.Mpu(ds_comm.ProcessGrid(ds_comm.ProcessTopology(["data", "model"], [2, 1])))
+    model = torch.nn.Linear(4, 4)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    ds_engine.initialize(model=model, config=cfg, mpu=mpu)
+    try:
+        assert groups.mpu is mpu
+        assert groups._get_data_parallel_world_size() == 2
+    finally:
+        groups.mpu = None
+    moe = torch.nn.Sequential(
+        ds_moe.MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=2)
+    )
+    ds_engine.initialize(model=moe, config=cfg)
+    assert groups.mpu is None
+    assert groups._get_expert_parallel_world_size("ep_size_2") == 2
+    assert groups._get_expert_parallel_rank("ep_size_2") == rank
+
+
+def test_engine_publishes_its_mpu_and_expert_groups() -> None:
+    """``deepspeed.utils.groups`` answers from the last engine's mpu and MoE groups."""
+    run_on_ranks(_engine_publishes_groups_body, 2, fresh=True)

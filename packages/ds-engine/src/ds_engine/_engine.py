@@ -101,6 +101,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
             ds_comm.configure(config.comms_logger)
         cast_mixed_precision(model, config)
         self.expert_groups = configure_experts(model, mpu)
+        _publish_groups(mpu, self.expert_groups)
         client = self._build_client_optimizer(optimizer, model_parameters)
         self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.basic_optimizer = client
@@ -500,3 +501,12 @@ def _to_half(value: Any) -> Any:
     if torch.is_tensor(value) and value.is_floating_point():
         return value.half()
     return value
+
+
+def _publish_groups(mpu: Any, expert_groups: Any) -> None:
+    """Let ``deepspeed.utils.groups`` answer from this engine's mpu and expert groups, as
+    DeepSpeed's engine does (clients such as Accelerate query groups there, not the engine)."""
+    from ds_engine.utils import groups
+
+    groups.mpu = mpu
+    groups.register_expert_groups(expert_groups if expert_groups is not None else ())
