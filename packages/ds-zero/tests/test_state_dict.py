@@ -167,3 +167,19 @@ def test_replace_dir_swaps_a_finished_directory_in_whole(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial, no aside
     assert [p.name for p in target.iterdir()] == ["state.pt"]
     assert torch.equal(torch.load(target / "state.pt")["x"], torch.arange(3))
+
+
+def _optimizer_state_body(rank: int, world_size: int, *, stage: int) -> int:
+    model, zero = _zero(stage)
+    _train(model, zero, rank, world_size, range(2))
+    assert zero.state is zero.optimizer.state
+    moments = [s for s in zero.state.values() if "exp_avg" in s]
+    assert moments and all(int(s["step"]) == 2 for s in moments)
+    return len(moments)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_state_is_the_wrapped_optimizers(stage: int) -> None:
+    """``zero.state`` reads like a torch optimizer's (clients such as Lightning read it)."""
+    counts = run_on_ranks(_optimizer_state_body, 2, stage=stage)
+    assert counts[0] > 0

@@ -52,3 +52,9 @@ class AccumulationWindow:
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups (for LR schedulers)."""
         return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state (keyed by the master tensors it steps),
+        read by clients as they read a torch optimizer's (Lightning's teardown does)."""
+        return self.optimizer.state
