@@ -5,18 +5,9 @@ Compared step by step with the losses real DeepSpeed 0.19.8 produced for the sam
 
 from __future__ import annotations
 
-import pytest
 from _compare import FP32_RTOL, assert_loss_falls, assert_matches
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ds gap: the ZeRO optimizer wrapper (ds_zero ZeroOptimizer) has no `state` attribute; "
-        "DeepSpeed's DeepSpeedZeroOptimizer.state is the wrapped optimizer's state, and "
-        "Lightning's Strategy.teardown reads optimizer.state.items() (_optimizer_to_device)"
-    ),
-)
 def test_lightning_deepspeed_strategy_trains_like_deepspeed(scenario, reference) -> None:
     run = scenario("lightning_zero2")
     assert_loss_falls(run.losses)
