@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 # fp32 runs do the same arithmetic as DeepSpeed up to summation order (bucketed reductions,
 # another torch release): measured differences are ~1e-7 relative, so 1e-5 is a wide margin that
@@ -17,6 +18,9 @@ CPU_ADAM_RTOL = 1e-4
 # DeepSpeed agree exactly for 4 steps, then by up to 6e-4. bf16 itself moves DeepSpeed's losses
 # 3.7e-3 from its fp32 run. The first step, before any update, is held to FP32_RTOL instead.
 BF16_RTOL = 2e-3
+# A run resumed from a checkpoint against the uninterrupted one, both under ds: the same
+# arithmetic on the same restored state, so only summation-order noise is allowed.
+RESUME_RTOL = 1e-6
 
 
 def max_relative_difference(
@@ -49,3 +53,17 @@ def assert_loss_falls(losses: Sequence[Sequence[float]]) -> None:
     for rank, series in enumerate(losses):
         first, last = sum(series[:5]) / 5, sum(series[-5:]) / 5
         assert last < 0.95 * first, f"rank {rank}: loss did not fall ({first:.4f} -> {last:.4f})"
+
+
+def assert_reloads_exactly(out: Path) -> None:
+    """``from_pretrained(out/final)`` (no DeepSpeed involved) gives exactly the weights rank 0
+    dumped to ``out/weights.rank0.pt`` from the trained engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    trained = torch.load(out / "weights.rank0.pt", weights_only=True)
+    reloaded = model.state_dict()
+    assert sorted(reloaded) == sorted(trained)
+    for key, tensor in trained.items():
+        assert torch.equal(reloaded[key].float(), tensor), f"{key} differs after the reload"

@@ -8,12 +8,15 @@ DeepSpeed 0.19.8 produced for the same script, seed and data (``reference.json``
 from __future__ import annotations
 
 import pytest
-import torch
-from _compare import BF16_RTOL, CPU_ADAM_RTOL, FP32_RTOL, assert_loss_falls, assert_matches
-
-# A resumed run against the uninterrupted one, both under ds: the same arithmetic on the same
-# restored state, so only summation-order noise is allowed.
-RESUME_RTOL = 1e-6
+from _compare import (
+    BF16_RTOL,
+    CPU_ADAM_RTOL,
+    FP32_RTOL,
+    RESUME_RTOL,
+    assert_loss_falls,
+    assert_matches,
+    assert_reloads_exactly,
+)
 
 
 @pytest.mark.parametrize(
@@ -70,12 +73,4 @@ def test_resume_from_checkpoint_continues_the_trajectory(scenario, reference) ->
 def test_save_model_reloads_with_plain_from_pretrained(scenario, name: str) -> None:
     """``trainer.save_model()`` writes weights that ``from_pretrained`` (no DeepSpeed) reloads
     exactly: the trained values, gathered from every rank at ZeRO-3."""
-    from transformers import AutoModelForCausalLM
-
-    run = scenario(name)
-    model = AutoModelForCausalLM.from_pretrained(run.out / "final")
-    trained = torch.load(run.out / "weights.rank0.pt", weights_only=True)
-    reloaded = model.state_dict()
-    assert sorted(reloaded) == sorted(trained)
-    for key, tensor in trained.items():
-        assert torch.equal(reloaded[key].float(), tensor), f"{key} differs after the reload"
+    assert_reloads_exactly(scenario(name).out)
