@@ -11,10 +11,25 @@ forward, so during the first forward such a module also fetches every immediate 
 parameters (one module level of extra working set, once); at the end of the first forward it
 keeps only the children that did not run. Containers (no direct parameters) never fetch for
 their children, so a branch that is not taken costs nothing. A module that reads the
-parameters of a child that *does* run, or a container that reads a child's parameters
-directly, must register them as external, as in DeepSpeed. A parameter is only released when no
-module whose forward is running fetched it (``p.ds_active_sub_modules``, DeepSpeed's name), so a
-child's forward does not take away what an enclosing module still reads.
+parameters of a child that *does* run (a tied head applied in the root's forward after the
+embedding's forward released the weight), or a container that reads a child's parameters
+directly, gets them through [Note: parameters read outside their module]. A parameter is only
+released when no module whose forward is running fetched it (``p.ds_active_sub_modules``,
+DeepSpeed's name), so a child's forward does not take away what an enclosing module still
+reads.
+
+[Note: parameters read outside their module]
+While the hooks are installed, every module's ``_parameters`` is a :class:`_ZeroParams`: a dict
+whose item lookup (what ``module.weight`` runs) gathers a partitioned parameter that is not
+gathered when some module's forward is running, and registers it as an external parameter of
+the innermost running module (DeepSpeed's ``ZeROOrderedDict`` and forward module stack). From
+then on it is part of that module's fetch set: gathered at its forward (and, through the
+module's ``_PreBackward``, before its backward), released after its forward like its own
+parameters, and by the optimizer's gradient hook after backward, which fires once the
+gradients of every use (the head's and the embedding's) have been summed. Lookups outside a
+forward, and iteration (``parameters()``, ``state_dict()``), never gather. The running modules
+are a process-wide stack (``_RUNNING``) because the lookup has only the dict to go on; each entry
+names the hooks that pushed it.
 
 [Note: gathering for backward]
 Autograd saves the parameter objects (or views of them) for backward, so releasing a parameter
@@ -59,6 +74,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ds_zero._init import register_external_parameter
 from ds_zero._partitioned import GatherHandle, ParamPartitioner, ZeroParamStatus
 
 __all__ = ["PrefetchStats", "Stage3Hooks"]
@@ -79,6 +95,33 @@ class PrefetchStats:
     misses: int = 0
     invalidations: int = 0
     prefetched: int = 0
+
+
+# (hooks, module) for every module whose forward is running, innermost last; see [Note:
+# parameters read outside their module].
+_RUNNING: list[tuple[Stage3Hooks, torch.nn.Module]] = []
+
+
+class _ZeroParams(dict):  # type: ignore[type-arg]
+    """A module's ``_parameters`` under stage 3 hooks (see [Note: parameters read outside
+    their module]). Copies and pickles are plain dicts."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        p = dict.__getitem__(self, key)
+        if (
+            _RUNNING
+            and p is not None
+            and getattr(p, "ds_status", ZeroParamStatus.AVAILABLE) is not ZeroParamStatus.AVAILABLE
+            and not torch.compiler.is_compiling()
+        ):
+            hooks, module = _RUNNING[-1]
+            hooks.gather_read(module, p)
+        return p
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
 
 
 class _PreBackward(torch.autograd.Function):
@@ -185,12 +228,31 @@ class Stage3Hooks:
         for m in self._modules:
             self._handles.append(m.register_forward_pre_hook(self._forward_pre))
             self._handles.append(m.register_forward_hook(self._forward_post))
+        for m in model.modules():
+            params = m.__dict__.get("_parameters")
+            if isinstance(params, dict) and not isinstance(params, _ZeroParams):
+                m.__dict__["_parameters"] = _ZeroParams(params)
 
     def remove(self) -> None:
-        """Remove every hook."""
+        """Remove every hook (and give every module a plain ``_parameters`` dict back)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for m in self.model.modules():
+            params = m.__dict__.get("_parameters")
+            if isinstance(params, _ZeroParams):
+                m.__dict__["_parameters"] = dict(params)
+        _RUNNING[:] = [entry for entry in _RUNNING if entry[0] is not self]
+
+    def gather_read(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
+        """Gather ``p``, read by ``module``'s running forward although ``module`` does not
+        fetch it, and make it one of ``module``'s external parameters (see [Note: parameters
+        read outside their module])."""
+        if getattr(p, "ds_partitioner", None) is not self.partitioner:
+            return  # not this model's: only its own partitioner's hooks can gather it
+        register_external_parameter(module, p)
+        p.ds_active_sub_modules.add(id(module))
+        self.partitioner.gather([p])
 
     # --- fetch sets ------------------------------------------------------------------------------
 
@@ -248,12 +310,15 @@ class Stage3Hooks:
         self._fetch(module, record=record)
         for p in self.fetch_set(module):  # not released while a running module uses it
             p.ds_active_sub_modules.add(id(module))
+        _RUNNING.append((self, module))
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self._leaf:
             if self._leaf[-1] is not module:
                 return output
             self._leaf.pop()
+        if _RUNNING and _RUNNING[-1][1] is module:
+            _RUNNING.pop()
         record = torch.is_grad_enabled()
         if module is self.model and self._borrowed is None:
             self._learn_borrowed()
@@ -322,6 +387,7 @@ class Stage3Hooks:
         """Close one forward+backward: the first (or an invalidated) iteration becomes the trace;
         any parameter of the model still gathered and not persistent is released."""
         self._leaf.clear()  # a forward that raised inside a leaf module left it open
+        _RUNNING[:] = [entry for entry in _RUNNING if entry[0] is not self]
         if self.trace is None or len(self._events) != len(self.trace):
             if self.trace is not None:
                 self._invalidate()
