@@ -31,7 +31,15 @@ SCENARIOS: dict[str, tuple[str, tuple[str, ...], str | None]] = {
     "trainer_bf16": ("run_trainer.py", ("--scenario", "bf16"), None),
     "accelerate_plugin": ("run_accelerate.py", ("--mode", "plugin"), None),
     "accelerate_launch": ("run_accelerate.py", ("--mode", "launch"), None),
+    "accelerate_zero3": ("run_accelerate.py", ("--mode", "launch"), None),
     "lightning_zero2": ("run_lightning.py", (), None),
+}
+
+
+# Scenarios run by `accelerate launch --config_file <file>` instead of torchrun.
+LAUNCH_CONFIGS = {
+    "accelerate_launch": "accelerate_zero2.yaml",
+    "accelerate_zero3": "accelerate_zero3.yaml",
 }
 
 
@@ -86,9 +94,9 @@ def command(name: str, out: Path, start_from: Path | None, python: str) -> list[
     if start_from is not None:
         tail += ["--resume-from", str(start_from / "trainer" / "checkpoint-10")]
     port = str(free_port())
-    if name == "accelerate_launch":
+    if name in LAUNCH_CONFIGS:
         launch = [python, "-m", "accelerate.commands.accelerate_cli", "launch"]
-        config = str(HERE / "accelerate_zero2.yaml")
+        config = str(HERE / LAUNCH_CONFIGS[name])
         return [*launch, "--config_file", config, "--main_process_port", port, *tail]
     run = [python, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}"]
     return [*run, "--master_addr=127.0.0.1", f"--master_port={port}", *tail]

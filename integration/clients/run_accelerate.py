@@ -4,12 +4,14 @@
     python -m torch.distributed.run --nproc_per_node 2 run_accelerate.py --mode plugin --out DIR
     # the plugin read from an ``accelerate launch`` config file (ZeRO-2, 2 accumulation steps):
     accelerate launch --config_file accelerate_zero2.yaml run_accelerate.py --mode launch --out DIR
+    # the same at ZeRO-3, the model built inside zero.Init (zero3_init_flag):
+    accelerate launch --config_file accelerate_zero3.yaml run_accelerate.py --mode launch --out DIR
 
 The optimizer is the client's own ``torch.optim.AdamW`` (no ``optimizer`` section in the config),
 the other half of how DeepSpeed meets its users. In plugin mode the run also goes through
 Accelerate's checkpoint flow (``save_state`` after 10 steps, ``load_state`` at the end and the
-last 10 steps replayed: ``replayed``) and its documented save (``get_state_dict`` +
-``save_pretrained`` to ``DIR/final``). Each rank writes ``DIR/result.rank<r>.json`` with the loss
+last 10 steps replayed: ``replayed``). Every mode ends with Accelerate's documented save
+(``get_state_dict`` + ``save_pretrained`` to ``DIR/final``). Each rank writes ``DIR/result.rank<r>.json`` with the loss
 of every micro-batch.
 """
 
@@ -76,7 +78,9 @@ def main() -> None:
     _scenario.seed_everything()
     from transformers import AutoModelForCausalLM
 
+    # Built after the Accelerator: with zero3_init_flag, inside deepspeed.zero.Init.
     model = AutoModelForCausalLM.from_config(_scenario.tiny_llama_config())
+    built = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=_scenario.LR)
     dataset = _scenario.TokenDataset(_scenario.MICRO_BATCH * 2 * _scenario.STEPS)
     loader = torch.utils.data.DataLoader(dataset, batch_size=_scenario.MICRO_BATCH, shuffle=True)
@@ -99,12 +103,13 @@ def main() -> None:
     if args.mode == "plugin":
         accelerator.load_state(str(out / "state"))
         extra["replayed"] = train(accelerator, model, optimizer, seen[half:])
-        save_pretrained(accelerator, model, out)
+    save_pretrained(accelerator, model, out)
     engine = accelerator.deepspeed_engine_wrapped.engine
     _scenario.write_result(
         args.out,
         losses=losses,
         **extra,
+        built_local_numel=built,
         zero_stage=int(engine.zero_optimization_stage()),
         accumulation=int(engine.gradient_accumulation_steps()),
         global_steps=int(engine.global_steps),
