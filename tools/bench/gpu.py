@@ -189,8 +189,9 @@ def _run(args: argparse.Namespace, system: str, setting: str) -> dict[str, Any] 
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return "failed: " + " | ".join(tail)
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    errors = [line for line in lines if "Error" in line] or lines[-1:]
+    return "failed: " + errors[-1].strip()[:200]
 
 
 def _real_deepspeed_present() -> bool:
