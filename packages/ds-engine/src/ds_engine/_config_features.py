@@ -411,7 +411,7 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
 }
 
 
-class FeatureSettings(Mapping[str, Any]):
+class FeatureSettings(Section):
     """Every row of :data:`NOT_IMPLEMENTED` at the value the config gave (all asking for
     nothing), read as attributes: ``settings.flops_profiler.module_depth``."""
 
@@ -423,22 +423,7 @@ class FeatureSettings(Mapping[str, Any]):
             if row.requested(key, value):
                 raise row.refusal(key, value)
             values[key] = row.settings(value)
-        self._values = values
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["_values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+        super().__init__(values)
 
     def __repr__(self) -> str:
         return f"FeatureSettings({sorted(self._values)})"
