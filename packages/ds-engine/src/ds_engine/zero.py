@@ -10,30 +10,5 @@ attributes here.
 
 from __future__ import annotations
 
-from ds_engine.runtime.zero import (
-    GatheredParameters,
-    Init,
-    ZeroParamStatus,
-    config,
-    offload_config,
-    partition_parameters,
-    register_external_parameter,
-    stage3,
-    stage_1_and_2,
-    unregister_external_parameter,
-)
-
-__all__ = [
-    # stage 3 helpers
-    "GatheredParameters",
-    "Init",
-    "ZeroParamStatus",
-    "register_external_parameter",
-    "unregister_external_parameter",
-    # runtime.zero's submodules
-    "config",
-    "offload_config",
-    "partition_parameters",
-    "stage3",
-    "stage_1_and_2",
-]
+from ds_engine.runtime.zero import *  # noqa: F403  (the same names as runtime.zero, by design)
+from ds_engine.runtime.zero import __all__ as __all__
