@@ -45,6 +45,10 @@ from ds_optim._loss_scaler import (
 )
 from ds_optim.api import BF16Config, FP16Config, LossScaleAtMinimumError
 
+# --- the gradient step the engines drive ---
+# isort: split
+from ds_optim._step import GradientStep, StepResult
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -83,5 +87,8 @@ __all__ = [
     "LossScaleAtMinimumError",
     "global_grad_norm",
     "clip_grad_norm_",
+    # the gradient step the engines drive
+    "GradientStep",
+    "StepResult",
     "__version__",
 ]
