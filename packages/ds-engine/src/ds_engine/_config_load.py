@@ -78,6 +78,18 @@ def _decode_base64(text: str) -> str | None:
         return None
 
 
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of a config file, or a ConfigError naming the file when it is not text."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not a UTF-8 text file (byte {exc.start} is "
+            f"{raw[exc.start]:#04x}); pass a JSON or HJSON file"
+        ) from None
+
+
 def load_config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
     """A config as a dict, from a mapping (deep-copied), a file path (HJSON, as DeepSpeed reads
     it; duplicate keys are errors) or a base64-encoded JSON string.
@@ -99,9 +111,7 @@ def load_config_dict(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict
         )
     path = Path(config)
     if path.is_file():
-        return parse_config_text(
-            path.read_text(encoding="utf-8"), source=f"config file {str(path)!r}"
-        )
+        return parse_config_text(_read_text(path), source=f"config file {str(path)!r}")
     decoded = _decode_base64(str(config)) if isinstance(config, str) else None
     if decoded is not None and decoded.lstrip().startswith("{"):
         return parse_config_text(decoded, source="the base64-encoded config")
