@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import resource
 import signal
+import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from ds_offload_aio import AioError, AioFallbackWarning, AioHandle, _ext
+from ds_offload_aio import AioError, AioFallbackWarning, AioHandle, _ext, _transfer
 
 
 def test_missing_file_fails_the_sync_call(tmp_path: Path, backend: str) -> None:
@@ -127,8 +129,77 @@ def test_write_past_the_file_size_limit_fails_and_atomic_keeps_the_old_file(
     report = _in_child(_write_past_file_size_limit, tmp_path, backend, data)
     big, ckpt = str(tmp_path / "big.bin"), str(tmp_path / "ckpt.bin")
     assert report["errors"] == {"plain": [errno.EFBIG, big, 0], "atomic": [errno.EFBIG, ckpt, 0]}
-    assert report["files"] == ["big.bin", "ckpt.bin"]  # the atomic write's temp file is gone
-    assert report["ckpt"] == "old" * 1000  # and the old checkpoint is intact
+    # The plain write created big.bin and removed it on failure; the atomic write's temp file is
+    # gone and the old checkpoint is intact.
+    assert report["files"] == ["ckpt.bin"]
+    assert report["ckpt"] == "old" * 1000
+
+
+@contextlib.contextmanager
+def _tiny_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A ``size`` tmpfs mounted at ``where`` (a real full disk), or a skip without the right."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); RLIMIT_FSIZE covers it")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_full_disk_leaves_no_file_the_write_created(tmp_path: Path, backend: str) -> None:
+    with _tiny_tmpfs(tmp_path / "disk", "256k") as disk:
+        (disk / "old.bin").write_bytes(b"old" * 1000)
+        data = torch.ones(1 << 20, dtype=torch.uint8)
+        with AioHandle(backend=backend) as handle:  # type: ignore[arg-type]
+            for name, atomic in (("new.bin", False), ("new.bin", True), ("old.bin", True)):
+                with pytest.raises(AioError) as info:
+                    handle.sync_pwrite(data, disk / name, atomic=atomic)
+                assert info.value.errno == errno.ENOSPC
+                assert info.value.filename == str(disk / name)
+            # A plain write over a file that existed keeps that file (it did not create it).
+            with pytest.raises(AioError):
+                handle.sync_pwrite(data, disk / "old.bin")
+        assert sorted(os.listdir(disk)) == ["old.bin"]
+
+
+def test_transfer_error_midway_removes_the_file_the_write_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A write error after part of the data reached the file (fault-injected into the thread
+    # backend's mover): the partial file must not stay under the final name.
+    real = _transfer.posix_transfer
+    calls = []
+
+    def failing(fd: int, is_read: bool, address: int, nbytes: int, offset: int, block: int) -> None:
+        calls.append(offset)
+        if len(calls) == 1:
+            real(fd, is_read, address, nbytes // 2, offset, block)
+            raise _transfer.TransferFailure(errno.EIO, offset + nbytes // 2, "injected EIO")
+        real(fd, is_read, address, nbytes, offset, block)
+
+    monkeypatch.setattr(_transfer, "posix_transfer", failing)
+    with AioHandle(backend="threads") as handle:
+        with pytest.raises(AioError) as info:
+            handle.sync_pwrite(torch.ones(1 << 16, dtype=torch.uint8), tmp_path / "part.bin")
+        assert info.value.errno == errno.EIO and info.value.filename == str(tmp_path / "part.bin")
+        assert calls
+        assert os.listdir(tmp_path) == []
+        # Asynchronous too: the error surfaces from wait(), the file is gone by then.
+        calls.clear()
+        handle.async_pwrite(torch.ones(1 << 16, dtype=torch.uint8), tmp_path / "async.bin")
+        with pytest.raises(AioError):
+            handle.wait()
+        assert os.listdir(tmp_path) == []
+        # A later write of the same name succeeds and leaves exactly its bytes.
+        handle.sync_pwrite(torch.full((4096,), 7, dtype=torch.uint8), tmp_path / "part.bin")
+    assert (tmp_path / "part.bin").read_bytes() == bytes([7]) * 4096
 
 
 def test_bad_arguments_raise_at_the_call(tmp_path: Path) -> None:

@@ -7,6 +7,16 @@ The kernel keeps the two coherent: an O_DIRECT write invalidates cached pages of
 O_DIRECT read writes back dirty cached pages of its range first. A filesystem that refuses
 O_DIRECT (``open`` fails with EINVAL) gets buffered I/O for the whole range, reported once per
 directory with ``AioFallbackWarning``.
+
+[Note: a failed write leaves no file it created]
+An atomic write goes to a temp file beside the final name, removed on failure. A plain write
+opens the final name itself, so it first tries to create it exclusively (``O_EXCL``) and
+remembers whether it did: when the op fails (open, preallocation on a full disk, a transfer, the
+validation), a file the op created is unlinked, so no empty or partial file is left under the
+final name. A file that existed before keeps its name (its old bytes in the failed range may be
+gone: use ``atomic=True`` where that matters). Two plain writes racing to create the same new
+file are the caller's race: when the creating one fails, the file goes, and the other op's bytes
+with it.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ class OpenFile:
     direct_fd: int | None
     regular: bool
     atomic: bool = False
+    created: bool = False  # a plain write created ``path`` (see [Note: a failed write ...])
 
     def close(self) -> None:
         for fd in (self.direct_fd, self.buffered_fd):
@@ -94,14 +105,15 @@ def open_for_write(path: str, *, offset: int, nbytes: int, atomic: bool) -> Open
     The range is allocated up front (``posix_fallocate``): O_DIRECT writes that extend a file
     are serialised by some filesystems, and a full disk is reported here, before any data moves.
     """
-    io_path = path
-    flags = os.O_RDWR | os.O_CREAT
     if atomic:
         head, name = os.path.split(path)
         io_path = os.path.join(head, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
-        flags |= os.O_EXCL
-    buffered = _open(io_path, flags, op="write", offset=offset)
-    opened = OpenFile(path, io_path, buffered, None, regular=False, atomic=atomic)
+        buffered = _open(io_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, op="write", offset=offset)
+        created = True
+    else:
+        io_path = path
+        buffered, created = _open_plain(path, offset=offset)
+    opened = OpenFile(path, io_path, buffered, None, regular=False, atomic=atomic, created=created)
     try:
         info = os.fstat(buffered)
         opened.regular = stat.S_ISREG(info.st_mode)
@@ -112,6 +124,28 @@ def open_for_write(path: str, *, offset: int, nbytes: int, atomic: bool) -> Open
         abort(opened)
         raise
     return opened
+
+
+def _open_plain(path: str, *, offset: int) -> tuple[int, bool]:
+    """The final name opened for a plain write, and whether this call created it."""
+    for _ in range(8):  # another process may create or remove the file between the two opens
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise AioError(
+                exc.errno, exc.strerror or str(exc), path, offset=offset, op="write"
+            ) from None
+        try:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise AioError(
+                exc.errno, exc.strerror or str(exc), path, offset=offset, op="write"
+            ) from None
+    return _open(path, os.O_RDWR | os.O_CREAT, op="write", offset=offset), False
 
 
 def _preallocate(opened: OpenFile, offset: int, nbytes: int) -> None:
@@ -147,8 +181,9 @@ def commit(opened: OpenFile) -> None:
 
 
 def abort(opened: OpenFile) -> None:
-    """Closes a file whose op failed; an atomic write's temp file is removed."""
+    """Closes a file whose op failed; removes the atomic write's temp file, and the final name
+    when a plain write created it (see [Note: a failed write leaves no file it created])."""
     opened.close()
-    if opened.atomic:
-        with contextlib.suppress(FileNotFoundError):
+    if opened.created:
+        with contextlib.suppress(OSError):
             os.unlink(opened.io_path)
