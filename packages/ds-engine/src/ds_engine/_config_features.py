@@ -23,19 +23,14 @@ disabled section.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ds_comm import ConfigError
+from ds_comm.api import check_keys, is_auto
 
-__all__ = ["NOT_IMPLEMENTED", "FeatureSettings", "NotImplementedFeature", "Section", "is_auto"]
-
-
-def is_auto(value: Any) -> bool:
-    """True for the ``"auto"`` placeholder Hugging Face clients write before resolving it."""
-    return isinstance(value, str) and value == "auto"
+__all__ = ["NOT_IMPLEMENTED", "FeatureSettings", "NotImplementedFeature", "Section"]
 
 
 class Section(Mapping[str, Any]):
@@ -179,12 +174,7 @@ def _any_enabled(value: Any, switch: str) -> bool:
 
 
 def _check_sub_keys(key: str, value: Mapping[str, Any], default: Mapping[str, Any]) -> None:
-    known = sorted(default)
-    for sub in value:
-        if sub not in default:
-            close = difflib.get_close_matches(str(sub), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
-            raise ConfigError(f"{key}.{sub} is not a known key; {hint}")
+    check_keys(key, value, default)
 
 
 _REMOVED = "DeepSpeed 0.19 removed it too (https://github.com/deepspeedai/DeepSpeed/issues/8489)."

@@ -8,7 +8,6 @@ a gradient accumulation dtype) are refused only when they ask for something.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from ds_comm import ConfigError
-from ds_engine._config_features import is_auto
+from ds_comm.api import as_section, check_keys, is_auto, without_auto
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -56,17 +55,9 @@ def dtype_from_name(where: str, name: Any) -> torch.dtype | None:
 
 def section_values(where: str, section: Any, cls: type) -> dict[str, Any]:
     """A section's keys checked against ``cls``'s fields (did-you-mean), "auto" dropped."""
-    if section is None:
-        return {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"{where} = {section!r}: expected a JSON object")
-    known = sorted(f.name for f in fields(cls))
-    for key in section:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
-            raise ConfigError(f"{where}.{key} is not a known key; {hint}")
-    return {k: v for k, v in section.items() if not is_auto(v)}
+    values = as_section(where, section)
+    check_keys(where, values, (f.name for f in fields(cls)))
+    return without_auto(values)
 
 
 def _bool(where: str, value: Any) -> None:
@@ -108,13 +99,8 @@ class CheckpointConfig:
         object.__setattr__(self, "tag_validation", mode.upper())
         for name in ("load_universal", "use_node_local_storage", "checkpoint_serialization"):
             _bool(f"checkpoint.{name}", getattr(self, name))
-        write = dict(self.parallel_write or {})
-        unknown = set(write) - {"pipeline_stage"}
-        if unknown:
-            raise ConfigError(
-                f"checkpoint.parallel_write.{sorted(unknown)[0]} is not a known key; did you mean "
-                "'pipeline_stage'?"
-            )
+        write = as_section("checkpoint.parallel_write", self.parallel_write)
+        check_keys("checkpoint.parallel_write", write, ["pipeline_stage"])
         stage = write.get("pipeline_stage", False)
         _bool("checkpoint.parallel_write.pipeline_stage", stage)
         if stage:

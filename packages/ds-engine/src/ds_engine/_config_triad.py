@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ds_comm import ConfigError
-from ds_engine._config_features import is_auto
+from ds_comm.api import is_auto
 
 __all__ = ["batch_key", "check_triad", "complete_triad"]
 

@@ -28,7 +28,6 @@ mapping otherwise; ``offload_optimizer.device = "nvme"`` without it is an Import
 from __future__ import annotations
 
 import copy
-import difflib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -37,7 +36,8 @@ from typing import Any
 import torch
 
 from ds_comm import CommsLoggerConfig, ConfigError
-from ds_engine._config_features import NOT_IMPLEMENTED, FeatureSettings, is_auto
+from ds_comm.api import check_keys, is_auto
+from ds_engine._config_features import NOT_IMPLEMENTED, FeatureSettings
 from ds_engine._config_load import load_config_dict
 from ds_engine._config_sections import (
     ActivationCheckpointingConfig,
@@ -351,13 +351,11 @@ class DeepSpeedConfig(Mapping[str, Any]):
 def _canonical_keys(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config's keys with aliases resolved; an unknown key is a did-you-mean error."""
     known_fields = {f.name for f in fields(DeepSpeedConfig)} - set(_INTERNAL)
-    known = sorted(known_fields | set(_ALIASES) | set(NOT_IMPLEMENTED))
+    check_keys(
+        "", config, known_fields | set(_ALIASES) | set(NOT_IMPLEMENTED), what="a known config key"
+    )
     values: dict[str, Any] = {}
     for key, value in config.items():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
-            raise ConfigError(f"{key} is not a known config key; {hint}")
         name = _ALIASES.get(key, key)
         if name in values:
             raise ConfigError(f"{key} and {name} are the same section; give only one of them")

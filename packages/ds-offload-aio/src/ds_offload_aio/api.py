@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, TypedDict
 
 from ds_comm import ConfigError
+from ds_comm.api import as_section, check_keys
 
 __all__ = [
     "ALIGNMENT",
@@ -120,7 +120,7 @@ class AioConfig:
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> AioConfig:
         """Builds from the JSON ``aio`` section; unknown keys are errors with a suggestion."""
-        section = dict(section or {})
+        section = as_section("aio", section)
         if "thread_count" in section:
             legacy = section.pop("thread_count")
             current = section.setdefault("intra_op_parallelism", legacy)
@@ -129,12 +129,7 @@ class AioConfig:
                     f"aio.thread_count = {legacy!r} contradicts aio.intra_op_parallelism = "
                     f"{current!r}: thread_count is the old name, keep only intra_op_parallelism"
                 )
-        known = [f.name for f in fields(cls)]
-        for key in section:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
-                raise ConfigError(f"aio.{key} is not a known key; {hint}")
+        check_keys("aio", section, (f.name for f in fields(cls)))
         return cls(**section)
 
     def handle_kwargs(self) -> dict[str, Any]:

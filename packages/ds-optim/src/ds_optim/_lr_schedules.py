@@ -20,7 +20,6 @@ torch's deprecation warning, since DeepSpeed's engine passes the iteration that 
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import warnings
@@ -31,6 +30,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from ds_comm.api import check_keys, closest
 from ds_optim.api import ConfigError, SchedulerConfig, _check_int, _check_number
 
 __all__ = [
@@ -551,8 +551,8 @@ def _resolve(type_name: Any) -> type:
     by_lower = {name.lower(): cls for name, cls in SCHEDULES.items()}
     if (cls := by_lower.get(key) or _torch_schedulers().get(key)) is not None:
         return cls
-    close = difflib.get_close_matches(key, list(by_lower), n=1, cutoff=0.5)
-    hint = f"did you mean {by_lower[close[0]].__name__!r}? " if close else ""
+    close = closest(key, by_lower, cutoff=0.5)
+    hint = f"did you mean {by_lower[close].__name__!r}? " if close else ""
     raise ConfigError(
         f"scheduler.type = {type_name!r} is not a known schedule; {hint}expected one of "
         f"{list(SCHEDULES)} (any case) or a torch.optim.lr_scheduler class name such as StepLR"
@@ -573,13 +573,13 @@ def check_scheduler_section(type_name: Any, params: Any) -> tuple[str, dict[str,
         raise ConfigError(f"scheduler.params = {params!r}: expected a mapping of parameters")
     signature = inspect.signature(cls)
     accepted = [name for name in signature.parameters if name != "optimizer"]
-    for key in params:
-        if key not in accepted:
-            close = difflib.get_close_matches(str(key), accepted, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"it takes {accepted}"
-            raise ConfigError(
-                f"scheduler.params.{key} is not a parameter of {cls.__name__}; {hint}"
-            )
+    check_keys(
+        "scheduler.params",
+        params,
+        accepted,
+        what=f"a parameter of {cls.__name__}",
+        listing="it takes",
+    )
     for name, parameter in signature.parameters.items():
         required = parameter.default is inspect.Parameter.empty and parameter.kind in (
             inspect.Parameter.POSITIONAL_OR_KEYWORD,

@@ -8,7 +8,6 @@ the optimizers change. The 1-bit optimizers and CPUAdam are imported only when a
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_comm.api import check_keys, closest
 from ds_optim.api import ConfigError, OptimizerConfig
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -162,8 +162,8 @@ def _lookup(type_name: str) -> _Entry:
     if key in torch_classes:
         return _fixed(torch_classes[key].__name__, lambda: torch_classes[key])
     known = known_optimizer_types()
-    close = difflib.get_close_matches(key, [k.lower() for k in known], n=1)
-    hint = f"did you mean {_REGISTRY[close[0]].name!r}? " if close else ""
+    close = closest(key, (k.lower() for k in known))
+    hint = f"did you mean {_REGISTRY[close].name!r}? " if close else ""
     raise ConfigError(
         f"optimizer.type = {type_name!r} is not a known optimizer; {hint}known types "
         f"(case-insensitive): {', '.join(known)}, or a torch.optim class name such as RMSprop"
@@ -179,14 +179,14 @@ def _check_names(
         if names is None:
             return
         accepted |= names
-    for key in params:
-        if key not in accepted:
-            close = difflib.get_close_matches(key, sorted(accepted), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"optimizer.params.{key} is not a parameter of optimizer type {entry.name!r}; "
-                f"{hint}accepted: {', '.join(sorted(accepted))}"
-            )
+    check_keys(
+        "optimizer.params",
+        params,
+        accepted,
+        what=f"a parameter of optimizer type {entry.name!r}",
+        listing="accepted",
+        always_list=True,
+    )
 
 
 def _parameter_names(target: Callable[..., Any]) -> set[str] | None:

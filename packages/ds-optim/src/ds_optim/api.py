@@ -6,7 +6,6 @@ dataclasses with DeepSpeed's key names and defaults, validated in ``__post_init_
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_comm import ConfigError
+from ds_comm.api import as_section, check_keys, is_auto, without_auto
 
 __all__ = [
     "ConfigError",
@@ -83,13 +83,9 @@ class OptimizerConfig:
         return cls(**values)
 
 
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value == "auto"
-
-
 def _resolved(section_name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``params``; ConfigError naming the keys whose value is still ``"auto"``."""
-    left = [k for k, v in params.items() if _is_auto(v)]
+    left = [k for k, v in params.items() if is_auto(v)]
     if left:
         keys = ", ".join(f"{section_name}.params.{k}" for k in left)
         raise ConfigError(
@@ -100,28 +96,14 @@ def _resolved(section_name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     return dict(params)
 
 
-def _without_auto(section: Any) -> Any:
-    """A section's ``"auto"`` values dropped (DeepSpeed's config models treat it as unset)."""
-    if not isinstance(section, Mapping):
-        return section
-    return {k: v for k, v in section.items() if not _is_auto(v)}
-
-
 # --- scheduler section (LR schedules) ---
 
 
 def _known_keys(section_name: str, section: Any, known: tuple[str, ...]) -> dict[str, Any]:
     """A copy of a JSON section; a key not in ``known`` is a ConfigError with a suggestion."""
-    if section is None:
-        return {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"{section_name} = {section!r}: expected a mapping (a JSON object)")
-    for key in section:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {list(known)}"
-            raise ConfigError(f"{section_name}.{key} is not a known key; {hint}")
-    return dict(section)
+    values = as_section(section_name, section)
+    check_keys(section_name, values, known)
+    return values
 
 
 def _check_number(key: str, value: Any, *, minimum: float | None = None) -> float:
@@ -298,9 +280,7 @@ class FP16Config:
     def from_dict(cls, section: Mapping[str, Any] | None) -> FP16Config:
         """Build from the JSON ``fp16`` section; unknown keys are errors with a suggestion and
         ``"auto"`` is a key's default (``"enabled": "auto"`` is off, as in DeepSpeed)."""
-        return cls(
-            **_known_keys("fp16", _without_auto(section), tuple(f.name for f in fields(cls)))
-        )
+        return cls(**without_auto(_known_keys("fp16", section, tuple(f.name for f in fields(cls)))))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,6 +319,4 @@ class BF16Config:
     def from_dict(cls, section: Mapping[str, Any] | None) -> BF16Config:
         """Build from the JSON ``bf16`` section; unknown keys are errors with a suggestion and
         ``"auto"`` is a key's default."""
-        return cls(
-            **_known_keys("bf16", _without_auto(section), tuple(f.name for f in fields(cls)))
-        )
+        return cls(**without_auto(_known_keys("bf16", section, tuple(f.name for f in fields(cls)))))

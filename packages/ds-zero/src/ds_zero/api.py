@@ -12,7 +12,6 @@ key.
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ds_comm import ConfigError
+from ds_comm.api import as_section, check_keys, is_auto
 
 __all__ = [
     "ConfigError",
@@ -90,15 +90,6 @@ _DEPRECATED: dict[str, tuple[tuple[str, ...], str, Any]] = {
 }
 
 
-def _check_keys(where: str, section: Mapping[str, Any], known: set[str]) -> None:
-    for key in section:
-        if key in known:
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
-        raise ConfigError(f"{where}.{key} is not a known key{hint}")
-
-
 def _bool(where: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{where} = {value!r}: expected true or false")
@@ -144,8 +135,9 @@ class _OffloadTarget:
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> Any:
         """Build from the JSON mapping (``None`` means no offload)."""
-        section = dict(section or {})
-        _check_keys(f"{_SECTION}.{cls._KEY}", section, {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        where = f"{_SECTION}.{cls._KEY}"
+        section = as_section(where, section)
+        check_keys(where, section, (f.name for f in fields(cls)))  # type: ignore[arg-type]
         return cls(**section)
 
 
@@ -403,7 +395,7 @@ class ZeroConfig:
         section = _without_auto(section)
         own = {f.name for f in fields(cls)} - {"unimplemented"}
         known = own | set(_ALIASES) | set(_REFUSED_WHEN_REQUESTED) | set(_DEPRECATED)
-        _check_keys(_SECTION, section, known)
+        check_keys(_SECTION, section, known)
         given_as: dict[str, str] = {}
         for key, value in list(section.items()):
             if key in _ALIASES:
@@ -432,11 +424,9 @@ class ZeroConfig:
 def _without_auto(section: Mapping[str, Any] | None) -> dict[str, Any]:
     """A copy of a section without its ``"auto"`` values (DeepSpeed's models drop them, so the
     key takes its default); nested offload sections too."""
-    if section is not None and not isinstance(section, Mapping):
-        raise ConfigError(f"{_SECTION} = {section!r}: expected a JSON object")
     out: dict[str, Any] = {}
-    for key, value in (section or {}).items():
-        if isinstance(value, str) and value == "auto":
+    for key, value in as_section(_SECTION, section).items():
+        if is_auto(value):
             continue
         out[key] = _without_auto(value) if isinstance(value, Mapping) else value
     return out
