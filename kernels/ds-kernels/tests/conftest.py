@@ -32,3 +32,16 @@ def triton_device() -> torch.device:
         "no GPU and the Triton kernels are not interpreted: TRITON_INTERPRET=1 needs numpy and "
         "must be set before ds_kernels is imported (run these tests in their own process)"
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a CUDA machine, every test that runs Triton on the device joins the GPU tier.
+
+    Without CUDA those tests run under the interpreter in the default tier, so they are not
+    marked there (the ``gpu`` marker would skip them).
+    """
+    if not torch.cuda.is_available():
+        return
+    for item in items:
+        if "triton_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
