@@ -47,8 +47,9 @@ def _launcher_rank() -> int:
     raise RuntimeError("no rank variable in the environment")
 
 
-def _report(local_rank_args: list[str]) -> dict:
+def _report(local_rank_args: list[str], args: list[str]) -> dict:
     return {
+        "args": args,
         "env": {k: os.environ[k] for k in WATCHED if k in os.environ},
         "dstest": {k: v for k, v in os.environ.items() if "DSTEST" in k},
         "local_rank_args": local_rank_args,
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> None:
     if mode == "hang":
         _hang(out, _launcher_rank(), options, token)
         return
-    result = _report(local_rank_args)
+    result = _report(local_rank_args, rest)
     rank = _allreduce(result) if mode == "allreduce" else _launcher_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     print(f"rank {rank} done")

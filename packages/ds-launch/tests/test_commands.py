@@ -125,6 +125,7 @@ def test_pdsh_runs_the_agent_on_every_node(hostfile, tmp_path, monkeypatch):
     cd, _, command = remote.partition(" && exec ")
     assert cd == f"cd {shlex.quote(str(tmp_path))}"
     words = shlex.split(command)
+    assert " --node_host='%h' " in command  # quoted: see test_injection.py
     assert words[:3] == ["env", "NCCL_DEBUG=INFO", f"PYTHONPATH={tmp_path}"]
     # pdsh substitutes %h with each node's name and %% with %.
     assert words[3:8] == [PY, "-u", "-m", "ds_launch.node", words[7]]
@@ -156,7 +157,7 @@ def test_ssh_runs_one_client_per_node_with_the_users_options_first(hostfile, tmp
     for node_rank, (host, argv) in enumerate(zip(("w1", "w2"), plan.commands)):
         assert Path(argv[0]).name == "ssh"
         options = ["-i", "/k", "-o", "ConnectTimeout=5", "-T", "-o", "BatchMode=yes"]
-        assert list(argv[1:-1]) == [*options, "-p", "2222", host]
+        assert list(argv[1:-1]) == [*options, "-p", "2222", "--", host]
         remote = shlex.split(argv[-1].partition(" && exec ")[2])
         assert f"--node_rank={node_rank}" in remote
         assert remote[-4:] == ["--no_local_rank", "train.py", "--lr", "0.1"]

@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 
 from ds_launch._hostfile import parse_env_file
+from ds_launch._names import is_variable_name
 from ds_launch.api import LaunchError
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "FI_", "MV2_", "MLFLOW_")
@@ -80,7 +81,10 @@ def collect_exports(
     exports = {
         name: value
         for name, value in sorted(environ.items())
-        if name.startswith(EXPORT_PREFIXES) and name not in LAUNCH_VARS and name not in excluded
+        if name.startswith(EXPORT_PREFIXES)
+        and name not in LAUNCH_VARS
+        and name not in excluded
+        and is_variable_name(name)  # a name no shell could set is no variable to pass on
     }
     if multi_node:
         path = environ.get("PYTHONPATH")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from ds_launch._names import host_problem, is_variable_name
 from ds_launch.api import HostfileError, LaunchError
 
 _HOST_LINE = re.compile(r"(?P<host>[^\s=#]+)\s+slots\s*=\s*(?P<slots>\S+)")
@@ -25,8 +26,10 @@ def parse_hostfile(path: str) -> dict[str, int]:
     Each line is ``hostname slots=N``; ``#`` starts a comment, blank lines are skipped.
 
     Raises:
-        HostfileError: the file is missing or empty, or a line is malformed, repeats a host, or
-            has a non-integer or zero slot count; the message names the file and line.
+        HostfileError: the file is missing or empty, or a line is malformed, names something
+            that is not a host name or IP address (letters, digits, ``-._:``, not starting with
+            ``-``), repeats a host, or has a non-integer or zero slot count; the message names
+            the file, the line and its text.
 
     Example:
         >>> parse_hostfile("hosts")  # "worker-1 slots=4\\nworker-2 slots=4  # spare\\n"
@@ -44,6 +47,9 @@ def parse_hostfile(path: str) -> dict[str, int]:
                 path, number, f"{raw.strip()!r} is not `hostname slots=N` (e.g. worker-1 slots=8)"
             )
         host, slots = match.group("host"), match.group("slots")
+        problem = host_problem(host)
+        if problem is not None:  # see [Note: names that cannot inject]
+            raise HostfileError(path, number, f"{raw.strip()!r}: {host!r} is refused: {problem}")
         if host in pool:
             raise HostfileError(
                 path, number, f"host {host!r} is listed again (first on line {first_line[host]})"
@@ -70,7 +76,8 @@ def parse_env_file(path: str) -> dict[str, str]:
     unquoting), as DeepSpeed does.
 
     Raises:
-        LaunchError: the file cannot be read or a line has no ``NAME=``; names file and line.
+        LaunchError: the file cannot be read, a line has no ``NAME=``, or the name is not a
+            shell variable name; names file and line.
     """
     values: dict[str, str] = {}
     for number, raw in enumerate(_lines(path, LaunchError, "env file"), start=1):
@@ -81,5 +88,10 @@ def parse_env_file(path: str) -> dict[str, str]:
         name = name.strip()
         if not sep or not name or any(c.isspace() for c in name):
             raise LaunchError(f"{path}:{number}: {raw.strip()!r} is not NAME=VALUE")
+        if not is_variable_name(name):
+            raise LaunchError(
+                f"{path}:{number}: {raw.strip()!r}: {name!r} is not a variable name "
+                "(letters, digits and '_', not starting with a digit)"
+            )
         values[name] = value.strip()
     return values

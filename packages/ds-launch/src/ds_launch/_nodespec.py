@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ds_launch._names import bad_host, host_problem
 from ds_launch.api import (
     DEFAULT_KILL_GRACE_S,
     DEFAULT_LOG_LEVEL,
@@ -48,9 +49,13 @@ def decode_world_info(text: str) -> dict[str, list[int]]:
         data = json.loads(base64.urlsafe_b64decode(text.encode()))
         if not isinstance(data, dict) or not data:
             raise ValueError("expected a non-empty object")
-        return {str(host): [int(s) for s in slots] for host, slots in data.items()}
+        resources = {str(host): [int(s) for s in slots] for host, slots in data.items()}
     except (ValueError, TypeError) as exc:
         raise LaunchError(f"--world_info is not a ds-launch world info: {exc}") from None
+    found = bad_host(resources)
+    if found is not None:
+        raise LaunchError(f"--world_info: host {found[0]!r} is refused: {found[1]}")
+    return resources
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +249,8 @@ def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
     node_rank = 0 if args.node_rank is None else args.node_rank
     log_dir = args.enable_each_rank_log  # DeepSpeed's "no directory" is the string "None"
     if args.node_host is not None:
+        if (problem := host_problem(args.node_host)) is not None:
+            raise LaunchError(f"--node_host {args.node_host!r} is refused: {problem}")
         if args.node_host not in resources:
             raise LaunchError(
                 f"--node_host {args.node_host!r} is not in the job's hosts ({', '.join(resources)})"

@@ -11,6 +11,7 @@ counts larger than the pool, or a selection with no slot left are errors naming 
 
 from __future__ import annotations
 
+from ds_launch._names import bad_host, host_problem
 from ds_launch.api import LaunchError
 
 _NODE_SEP, _SLOT_START, _SLOT_SEP = "@", ":", ","
@@ -25,6 +26,9 @@ def _parse_filter(flag: str, spec: str) -> list[tuple[str, list[int] | None]]:
         host = host.strip()
         if not host:
             raise LaunchError(f"{flag} {spec!r}: empty host name in {node!r}")
+        problem = host_problem(host)
+        if problem is not None:  # see [Note: names that cannot inject] in _names.py
+            raise LaunchError(f"{flag} {spec!r}: {host!r} is refused: {problem}")
         if host in seen:
             raise LaunchError(
                 f"{flag} {spec!r}: host {host!r} appears twice; list its slots once ({host}:0,1)"
@@ -102,7 +106,8 @@ def select_resources(
         ``{host: slots}`` of the job, in node order.
 
     Raises:
-        LaunchError: a bad spec, an unknown host or slot, counts beyond the pool, or nothing left.
+        LaunchError: a bad spec, an unknown host or slot, a pool or spec host that is not a
+            host name or IP address, counts beyond the pool, or nothing left.
 
     Example:
         >>> pool = {"worker-1": [0, 1, 2, 3], "worker-2": [0, 1, 2, 3]}
@@ -113,6 +118,9 @@ def select_resources(
     """
     if include and exclude:
         raise LaunchError("--include and --exclude are mutually exclusive; keep one")
+    found = bad_host(pool)
+    if found is not None:
+        raise LaunchError(f"{pool_name}: host {found[0]!r} is refused: {found[1]}")
     selected = {host: list(slots) for host, slots in pool.items()}
     if include or exclude:
         selected = _apply_filter(selected, include, exclude, pool_name)

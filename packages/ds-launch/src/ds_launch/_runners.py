@@ -27,6 +27,7 @@ import shutil
 import sys
 from collections.abc import Mapping, Sequence
 
+from ds_launch._names import bad_host, is_variable_name
 from ds_launch._nodespec import NodeSpec
 from ds_launch.api import AGENT_LAUNCHERS, LaunchConfig, LaunchError
 
@@ -72,12 +73,32 @@ def pdsh_failure(line: bytes) -> tuple[int, str] | None:
     return int(match.group("code")), f"node {host} exited with code {int(match.group('code'))}"
 
 
+def check_names(resources: Mapping[str, object], exports: Mapping[str, str]) -> None:
+    """Every host a host name, every exported name a variable name, before any command is built
+    (see [Note: names that cannot inject] in ``_names.py``).
+
+    Raises:
+        LaunchError: naming the host or variable and what is wrong with it.
+    """
+    found = bad_host(resources)
+    if found is not None:
+        raise LaunchError(f"host {found[0]!r} is refused: {found[1]}")
+    for name in exports:
+        if not is_variable_name(name):
+            raise LaunchError(
+                f"exported variable {name!r} is not a variable name (letters, digits and '_', "
+                "not starting with a digit); fix it where it is set"
+            )
+
+
 def remote_command(spec: NodeSpec, exports: Mapping[str, str], cwd: str, node: str | None) -> str:
     """The shell command a node runs: ``cd DIR && exec env K=V ... python -m ds_launch.node``.
 
-    ``exec`` makes the agent the direct child of sshd, so it gets SIGTERM through its
-    parent-death signal when the connection drops (see ``ds_launch.node``).
+    Every word is quoted for the remote shell (``shlex.join``): values and user arguments reach
+    the agent byte for byte. ``exec`` makes the agent the direct child of sshd, so it gets
+    SIGTERM through its parent-death signal when the connection drops (see ``ds_launch.node``).
     """
+    check_names(spec.resources, exports)
     words = ["env", *(f"{k}={v}" for k, v in exports.items())] if exports else []
     words += spec.to_argv(node=node)
     return f"cd {shlex.quote(cwd)} && exec {shlex.join(words)}"
@@ -98,8 +119,10 @@ def pdsh_command(
 ) -> tuple[list[str], dict[str, str]]:
     """pdsh's argv and the variables it needs (``PDSH_RCMD_TYPE``, ``PDSH_SSH_ARGS_APPEND``)."""
     remote = remote_command(spec, exports, cwd, f"--node_host={_HOST_PLACEHOLDER}")
-    # pdsh expands %h (the node's name) and %% in the remote command.
-    remote = remote.replace("%", "%%").replace(_HOST_PLACEHOLDER, "%h")
+    # pdsh expands %h (the node's name) and %% in the remote command. %h goes inside single
+    # quotes: the names are checked host names already, and even a name that slipped through
+    # would stay one word there (only a quote could end it, and no host name holds one).
+    remote = remote.replace("%", "%%").replace(_HOST_PLACEHOLDER, "'%h'")
     argv = [find_tool("pdsh") or "pdsh", "-S", "-f", str(PDSH_FAN_OUT)]
     argv += ["-w", ",".join(spec.resources), *shlex.split(config.launcher_args), remote]
     tool_env = {"PDSH_RCMD_TYPE": environ.get("PDSH_RCMD_TYPE", "ssh")}
@@ -120,7 +143,7 @@ def ssh_commands(
     for node_rank, host in enumerate(spec.resources):
         remote = remote_command(spec, exports, cwd, f"--node_rank={node_rank}")
         options = [*shlex.split(config.launcher_args), "-T", "-o", "BatchMode=yes", *port]
-        commands.append([ssh, *options, host, remote])
+        commands.append([ssh, *options, "--", host, remote])  # "--": the host is no option
     return commands
 
 
@@ -181,6 +204,7 @@ def mpi_command(
     """argv, tool variables and files for ``openmpi``, ``mpich``, ``impi``, ``mvapich`` and
     ``slurm``; every rank runs ``python -u [-m] script args``."""
     launcher, resources = config.launcher, spec.resources
+    check_names(resources, exports)
     variables = dict(exports)
     if launcher == "mvapich":
         variables.update({k: v for k, v in _MVAPICH_DEFAULTS.items() if k not in environ})

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds_launch._devices import parse_core_list
+from ds_launch._names import host_problem
 
 __all__ = [
     "DEFAULT_HOSTFILE",
@@ -154,6 +155,8 @@ class LaunchConfig:
         if self.module and self.no_python:
             raise LaunchError("--module runs `python -m`, --no_python runs no python: pick one")
         _port("--master_port", self.master_port)
+        if self.master_addr and (problem := host_problem(self.master_addr)) is not None:
+            raise LaunchError(f"--master_addr {self.master_addr!r} is refused: {problem}")
         _port("--ssh_port", self.ssh_port)
         if self.kill_grace < 0:
             raise LaunchError(f"--kill_grace {self.kill_grace}: must be >= 0 seconds")
