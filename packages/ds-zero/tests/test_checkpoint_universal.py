@@ -230,9 +230,12 @@ def test_a_missing_file_is_refused(saved: Path, tmp_path: Path) -> None:
 
 
 def _edit_manifest(path: Path, edit) -> None:
+    """A manifest as a faulty writer would make it: edited, then sealed again."""
+    from ds_zero._integrity import seal
+
     manifest = json.loads((path / "manifest.json").read_text())
     edit(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
 
 
 def test_duplicated_coverage_is_refused(saved: Path, tmp_path: Path) -> None:

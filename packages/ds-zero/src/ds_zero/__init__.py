@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from ds_zero._checkpoint import (
     load_sharded_checkpoint,
+    recover_directory,
+    repair_directory,
     replace_dir,
     save_fsynced,
     save_sharded_checkpoint,
@@ -19,6 +21,13 @@ from ds_zero._init import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from ds_zero._integrity import (
+    CheckpointError,
+    load_file,
+    read_json,
+    verify_directory,
+    write_directory_manifest,
+)
 from ds_zero._leaf import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
@@ -29,7 +38,6 @@ from ds_zero._leaf import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
-from ds_zero._manifest import CheckpointError
 from ds_zero._memory import (
     estimate_model_states,
     estimate_zero2_model_states_mem_needs,
@@ -98,6 +106,12 @@ __all__ = [
     "save_fsynced",
     "replace_dir",
     "verify_checkpoint",
+    "verify_directory",
+    "write_directory_manifest",
+    "recover_directory",
+    "repair_directory",
+    "load_file",
+    "read_json",
     "CheckpointError",
     "TensorShard",
     "ShardLookup",

@@ -3,10 +3,14 @@ world size and ZeRO stage loads it (see [Note: universal checkpoint manifest]).
 
 [Note: atomic checkpoint directories]
 Ranks write into ``.<name>.partial`` next to the target; after every rank's file is written rank
-0 adds the scalars, the client state and ``manifest.json`` and renames the directory into place
-(a previous checkpoint of that name is moved aside first and then removed), so a crash leaves
-either the old checkpoint or the new one, never a mix. All ranks must see the same file system,
-as with DeepSpeed.
+0 adds the scalars, the client state and ``manifest.json`` (sealed, through a rename: a
+directory is complete exactly when its manifest is whole and sealed) and renames the directory
+into place (a previous checkpoint of that name is first moved aside to ``.<name>.old``, then
+removed manifest first). A crash between the two renames leaves no ``<name>``: loading then uses
+the finished ``.partial`` (or else the ``.old``) with a warning (:func:`recover_directory`), and
+the next save first puts that copy back (:func:`repair_directory`) so it never deletes the only
+complete copy. A crash anywhere therefore leaves the old checkpoint or the new one, never a mix
+and never none. All ranks must see the same file system, as with DeepSpeed.
 
 [Note: universal save and load]
 Saving asks the optimizer for its :class:`~ds_zero._shards.TensorShard` records
@@ -34,10 +38,11 @@ partition-sized cannot be resharded and is an error (ZeRO needs an elementwise o
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,10 +51,22 @@ import torch
 import torch.distributed as dist
 
 import ds_comm
-from ds_zero._manifest import (
-    MANIFEST,
+from ds_zero._integrity import (
+    DIRECTORY_MANIFEST,
     CheckpointError,
+    agree,
+    check_seal,
+    is_complete,
+    load_file,
+    read_json,
+    seal,
+    write_json_atomic,
+)
+from ds_zero._manifest import (
+    INDEX,
+    MANIFEST,
     ShardReader,
+    binding_problems,
     build_manifest,
     coverage_problems,
     file_problems,
@@ -67,6 +84,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "load_sharded_checkpoint",
+    "recover_directory",
+    "repair_directory",
     "replace_dir",
     "resolve_states",
     "restore_scalar_state",
@@ -243,20 +262,71 @@ def save_fsynced(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def replace_dir(partial: Path, target: Path) -> None:
-    """Move the finished directory ``partial`` onto ``target``, replacing any old one, and fsync the
-    parent. See [Note: atomic checkpoint directories]."""
-    aside = target.with_name(f".{target.name}.old")
-    shutil.rmtree(aside, ignore_errors=True)
-    if target.exists():
-        target.rename(aside)
-    partial.rename(target)
-    shutil.rmtree(aside, ignore_errors=True)
-    fd = os.open(target.parent, os.O_RDONLY)
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _discard(directory: Path) -> None:
+    """Remove ``directory``, its manifests first: a crash midway leaves it visibly incomplete."""
+    for name in (DIRECTORY_MANIFEST, MANIFEST, _METADATA):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            (directory / name).unlink()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _aside(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
+
+
+def _partial(target: Path) -> Path:
+    return target.with_name(f".{target.name}.partial")
+
+
+def replace_dir(partial: Path, target: Path) -> None:
+    """Move the finished directory ``partial`` onto ``target``, replacing any old one, and fsync the
+    parent. See [Note: atomic checkpoint directories]."""
+    aside = _aside(target)
+    if target.exists():
+        _discard(aside)
+        target.rename(aside)
+    partial.rename(target)
+    _fsync_dir(target.parent)
+    _discard(aside)
+
+
+def recover_directory(target: Path, manifest: str = DIRECTORY_MANIFEST) -> Path | None:
+    """``target`` when it exists; otherwise the newest complete copy a crash left beside it
+    (``.<name>.partial`` finished but not yet renamed, then ``.<name>.old`` moved aside), with a
+    warning; None when there is none. A copy is complete when its ``manifest`` is whole and
+    sealed. See [Note: atomic checkpoint directories]."""
+    if target.is_dir():
+        return target
+    for candidate, what in ((_partial(target), "finished"), (_aside(target), "previous")):
+        if candidate.is_dir() and is_complete(candidate, manifest):
+            warnings.warn(
+                f"checkpoint {str(target)!r} is missing (a save was interrupted while replacing "
+                f"it); using the {what} complete copy {str(candidate)!r}",
+                stacklevel=2,
+            )
+            return candidate
+    return None
+
+
+def repair_directory(target: Path, manifest: str = DIRECTORY_MANIFEST) -> None:
+    """Put the copy :func:`recover_directory` finds back under ``target`` (one process only,
+    before saving there again, so the next save never deletes the only complete copy)."""
+    if target.is_dir():
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = recover_directory(target, manifest)
+    if found is not None:
+        found.rename(target)
+        _fsync_dir(target.parent)
 
 
 def _topology(optimizer: Any) -> tuple[int, int, Any]:
@@ -405,19 +475,21 @@ def save_sharded_checkpoint(
     target = Path(path)
     if _is_legacy(optimizer):
         return _save_per_rank(target, optimizer, client_state)
-    partial = target.with_name(f".{target.name}.partial")
+    partial = _partial(target)
     rank, world, pg = _topology(optimizer)
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+        repair_directory(target, MANIFEST)
+        _discard(partial)
         partial.mkdir(parents=True)
     _barrier(pg)
-    values: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {INDEX: {}}
     pieces = []
     for i, shard in enumerate(_shards_of(optimizer)):
         if shard.numel <= 0:
             continue
         for value, tensor in shard.values.items():
             values[f"p{i}/{value}"] = tensor.detach().to("cpu", torch.float32, copy=True)
+        values[INDEX][f"p{i}"] = [shard.name, shard.start, shard.stop]
         pieces.append(
             {
                 "name": shard.name,
@@ -466,10 +538,11 @@ def _save_per_rank(
     target: Path, optimizer: ZeroOptimizer, client_state: Mapping[str, Any] | None
 ) -> Path:
     """The per-rank format (see [Note: resharding a checkpoint])."""
-    partial = target.with_name(f".{target.name}.partial")
+    partial = _partial(target)
     rank, pg = optimizer.rank, optimizer.group
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+        repair_directory(target, _METADATA)
+        _discard(partial)
         partial.mkdir(parents=True)
     _barrier(pg)
     state = optimizer.state_dict()
@@ -486,7 +559,7 @@ def _save_per_rank(
             "files": [_rank_file(r) for r in range(optimizer.world_size)],
             "layout": state["layout"],
         }
-        (partial / _METADATA).write_text(json.dumps(metadata, indent=1))
+        write_json_atomic(seal(metadata), partial / _METADATA)
         replace_dir(partial, target)
     _barrier(pg)
     return target
@@ -495,10 +568,20 @@ def _save_per_rank(
 # --- load ------------------------------------------------------------------------------------------
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:
-    """Check a checkpoint directory: every file present with its size and checksum, every element
-    of every tensor covered exactly once. With a process group each rank hashes a share of the
-    files and every rank gets the same verdict (every rank must call it then).
+def verify_checkpoint(
+    path: str | os.PathLike[str], *, group: Any = None, files: bool = True
+) -> dict[str, Any]:
+    """Check a checkpoint directory: the manifest sealed, every file present with its size and
+    checksums, every piece bound to the tensor range its file records, every element of every
+    tensor covered exactly once. With a process group each rank checks a share of the files and
+    every rank gets the same verdict (every rank must call it then). This is the check every
+    load path runs first (:func:`load_sharded_checkpoint`, ``consolidate``, universal loading).
+
+    Args:
+        path: the directory holding ``manifest.json``.
+        group: the ranks verifying together (None: the default group, or one process).
+        files: False skips the file checksums (already verified by a directory manifest above,
+            see :func:`~ds_zero._integrity.verify_directory`); the rest is still checked.
 
     Returns:
         The manifest.
@@ -510,26 +593,43 @@ def verify_checkpoint(path: str | os.PathLike[str], *, group: Any = None) -> dic
         >>> verify_checkpoint("ckpt/step100")["world_size"]
     """
     source = Path(path)
-    manifest = read_manifest(source)
     if dist.is_available() and dist.is_initialized():
         rank, world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
     else:
         rank, world = 0, 1
-    problems = file_problems(source, manifest, rank=rank, world_size=world)
-    problems = [p for share in _all_gather_object(problems, group, world) for p in share]
-    problems += coverage_problems(manifest)
+    manifest: dict[str, Any] = {}
+    try:
+        manifest = read_manifest(source)
+        mine = sorted(manifest["files"])[rank::world]
+        problems = file_problems(source, manifest, rank=rank, world_size=world) if files else []
+        problems += binding_problems(source, manifest, mine)
+    except CheckpointError as exc:
+        problems = [str(exc)]
+    problems = list(dict.fromkeys(agree(problems, group)))
+    if problems and not manifest:
+        raise CheckpointError(problems[0])
+    problems += coverage_problems(manifest) if manifest else []
     if problems:
         raise CheckpointError(_unusable(source, problems, "cannot be loaded"))
     return manifest
 
 
-def load_sharded_checkpoint(path: str | os.PathLike[str], optimizer: Any) -> dict[str, Any] | None:
+def load_sharded_checkpoint(
+    path: str | os.PathLike[str], optimizer: Any, *, verified: bool = False
+) -> dict[str, Any] | None:
     """Load a directory written by :func:`save_sharded_checkpoint`, on any world size and stage.
 
     The directory is verified first (:func:`verify_checkpoint`); then each rank reads just the
     element ranges it holds. With ``load_from_fp32_weights`` (the default) the model's parameters
     are rebuilt from the saved fp32 masters, so the checkpoint restores the model too. Every rank
-    must call it.
+    must call it. A directory missing because a save was interrupted while replacing it is found
+    beside it (see :func:`recover_directory`).
+
+    Args:
+        path: the checkpoint directory.
+        optimizer: the optimizer to load into.
+        verified: the files were already checked against a directory manifest (ds-engine's);
+            the manifest's seal, bindings and coverage are still checked.
 
     Returns:
         The ``client_state`` saved with the checkpoint, or None.
@@ -540,7 +640,7 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], optimizer: Any) -> dic
     Example:
         >>> client = load_sharded_checkpoint("ckpt/step100", zero_opt)
     """
-    source = Path(path)
+    source = recover_directory(Path(path), MANIFEST) or Path(path)
     if (source / _METADATA).is_file() and not (source / MANIFEST).is_file():
         return _load_per_rank(source, optimizer)
     if _is_legacy(optimizer):
@@ -549,19 +649,20 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], optimizer: Any) -> dic
             "groups (MoE experts) load only from the per-rank format they save"
         )
     _, _, pg = _topology(optimizer)
-    manifest = verify_checkpoint(source, group=pg)
+    manifest = verify_checkpoint(source, group=pg, files=not verified)
     reader = ShardReader(source, manifest)
     try:
         _load_shards(optimizer, reader.lookup)
     finally:
         reader.close()
-    restore_scalar_state(optimizer, torch.load(source / _SCALARS, weights_only=True))
+    restore_scalar_state(optimizer, load_file(source / _SCALARS))
     client = source / _CLIENT
-    return torch.load(client, map_location="cpu", weights_only=True) if client.exists() else None
+    return load_file(client) if _CLIENT in manifest["files"] else None
 
 
 def _load_per_rank(source: Path, optimizer: ZeroOptimizer) -> dict[str, Any] | None:
-    metadata = json.loads((source / _METADATA).read_text())
+    metadata = read_json(source / _METADATA, "checkpoint metadata")
+    check_seal(metadata, source / _METADATA)
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{source} is not a ds-zero sharded checkpoint")
     same = metadata["num_shards"] == optimizer.num_shards and metadata["layout"] == [
@@ -569,11 +670,9 @@ def _load_per_rank(source: Path, optimizer: ZeroOptimizer) -> dict[str, Any] | N
     ]
     if same:
         file = metadata["files"][optimizer.rank if len(metadata["files"]) > 1 else 0]
-        states = [torch.load(source / file, map_location="cpu", weights_only=True)]
+        states = [load_file(source / file)]
     else:
-        states = [
-            torch.load(source / f, map_location="cpu", weights_only=True) for f in metadata["files"]
-        ]
+        states = [load_file(source / f) for f in metadata["files"]]
     optimizer.load_state_dict(states)
     client = source / _CLIENT
-    return torch.load(client, map_location="cpu", weights_only=True) if client.exists() else None
+    return load_file(client) if client.exists() else None

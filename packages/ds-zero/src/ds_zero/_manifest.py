@@ -7,15 +7,18 @@ A checkpoint directory holds one ``zero_shards_rank{r:05d}.pt`` per rank (that r
 taken from rank 0), an optional ``client_state.pt`` and ``manifest.json``::
 
     {"format": "ds_zero.universal/1", "world_size": 4, "stage": 2,
-     "files": {"zero_shards_rank00000.pt": {"sha256": "...", "bytes": 12345}, ...},
+     "files": {"zero_shards_rank00000.pt": {"bytes": 12345, "crc32": [3141592]}, ...},
      "tensors": {"tok.weight": {"shape": [64, 32], "dtype": "torch.float32",
                                 "values": ["param", "exp_avg", "exp_avg_sq"],
                                 "pieces": [["zero_shards_rank00000.pt", "p0", 0, 512], ...]}},
      "aliases": {"head.weight": "tok.weight"}}
 
 A piece ``[file, key, start, stop]`` says that elements ``[start, stop)`` of the flattened
-tensor are in ``file`` under ``key/<value>`` for each of the tensor's values. Checksums are
-computed while the bytes are written (no second read). Loading refuses the directory unless
+tensor are in ``file`` under ``key/<value>`` for each of the tensor's values; the shard file's
+own ``__index__`` records ``[name, start, stop]`` under each key, so a piece is bound to the
+tensor range it holds. Checksums (CRC-32 per 16 MiB chunk, see [Note: checkpoint integrity])
+are computed while the bytes are written (no second read) and the manifest is sealed with its
+own checksum. Loading refuses the directory unless
 every file is present with its recorded size and checksum (each rank hashes every N-th file,
 so verification is shared) and every element of every tensor is covered by exactly one piece;
 the message names the tensor, the element range and the file, because a silently truncated or
@@ -25,20 +28,31 @@ mentions padding or partitions: a loader of any world size and stage asks for ra
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from ds_zero._integrity import (
+    CheckpointError,
+    ChunkedCrcWriter,
+    check_seal,
+    file_problem,
+    load_file,
+    read_json,
+    seal,
+    write_json_atomic,
+)
+
 __all__ = [
     "FORMAT",
+    "INDEX",
     "MANIFEST",
     "CheckpointError",
     "ShardReader",
+    "binding_problems",
     "build_manifest",
     "coverage_problems",
     "dtype_of",
@@ -51,11 +65,7 @@ __all__ = [
 
 FORMAT = "ds_zero.universal/1"
 MANIFEST = "manifest.json"
-_CHUNK = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that is incomplete, corrupted or does not fit the optimizer."""
+INDEX = "__index__"
 
 
 def shard_file(rank: int) -> str:
@@ -63,44 +73,19 @@ def shard_file(rank: int) -> str:
     return f"zero_shards_rank{rank:05d}.pt"
 
 
-class _HashingWriter:
-    """A write-only stream that hashes and counts the bytes it forwards."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file = file
-        self.digest = hashlib.sha256()
-        self.bytes = 0
-
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        self.bytes += len(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def write_hashed(obj: Any, path: Path) -> dict[str, Any]:
-    """``torch.save`` ``obj`` to ``path``, fsync it, and return its size and sha256 (computed
-    from the bytes as they are written).
+    """``torch.save`` ``obj`` to ``path``, fsync it, and return its size and chunk checksums
+    (computed from the bytes as they are written; see [Note: checkpoint integrity]).
 
     Example:
-        >>> write_hashed({"w": torch.ones(3)}, Path("ckpt/.x.partial/scalars.pt"))["sha256"]
+        >>> write_hashed({"w": torch.ones(3)}, Path("ckpt/.x.partial/scalars.pt"))["bytes"]
     """
     with open(path, "wb") as f:
-        writer = _HashingWriter(f)
+        writer = ChunkedCrcWriter(f)
         torch.save(obj, writer)
         f.flush()
         os.fsync(f.fileno())
-    return {"sha256": writer.digest.hexdigest(), "bytes": writer.bytes}
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return writer.record()
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -116,7 +101,7 @@ def build_manifest(
     """The manifest from every rank's payload (see [Note: universal checkpoint manifest]).
 
     Args:
-        payloads: per rank ``{"file", "sha256", "bytes", "pieces": [{"name", "shape",
+        payloads: per rank ``{"file", "bytes", "crc32", "pieces": [{"name", "shape",
             "dtype", "values", "key", "start", "stop"}, ...]}``.
         stage: the ZeRO stage that saved it (informational: loading never needs it).
         order: parameter names in the model's order (tensors are listed in it; others follow).
@@ -128,7 +113,7 @@ def build_manifest(
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, dict[str, Any]] = {}
     for payload in payloads:
-        files[payload["file"]] = {"sha256": payload["sha256"], "bytes": payload["bytes"]}
+        files[payload["file"]] = {"bytes": payload["bytes"], "crc32": payload["crc32"]}
         for piece in payload["pieces"]:
             entry = tensors.setdefault(
                 piece["name"],
@@ -166,11 +151,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{str(directory)!r} has no {MANIFEST}: not a ds-zero checkpoint, or a save that did "
             "not finish"
         )
-    manifest = json.loads(path.read_text())
+    manifest = read_json(path, "checkpoint manifest")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(
             f"{path} has format {manifest.get('format')!r}; this ds-zero reads {FORMAT!r}"
         )
+    check_seal(manifest, path)
     return manifest
 
 
@@ -232,18 +218,6 @@ def _pieces_in(manifest: Mapping[str, Any], file: str) -> list[tuple[str, int, i
     ]
 
 
-def _file_problem(directory: Path, file: str, record: Mapping[str, Any]) -> str | None:
-    path = directory / file
-    if not path.is_file():
-        return f"{file} absent"
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        return f"{file} truncated ({size} of {record['bytes']} bytes)"
-    if _file_sha256(path) != record["sha256"]:
-        return f"{file} corrupted (its sha256 differs from the manifest's)"
-    return None
-
-
 def file_problems(
     directory: Path, manifest: Mapping[str, Any], *, rank: int = 0, world_size: int = 1
 ) -> list[str]:
@@ -253,7 +227,7 @@ def file_problems(
     for index, (file, record) in enumerate(sorted(manifest["files"].items())):
         if index % world_size != rank:
             continue
-        problem = _file_problem(directory, file, record)
+        problem = file_problem(directory, file, record)
         if problem is None:
             continue
         lost = _pieces_in(manifest, file)
@@ -349,8 +323,35 @@ def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:
 
 
 def write_manifest(manifest: Mapping[str, Any], path: Path) -> None:
-    """Write ``manifest`` as JSON and fsync it."""
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``manifest`` sealed (see :func:`~ds_zero._integrity.seal`) as JSON, fsynced,
+    through a rename."""
+    write_json_atomic(seal(manifest), path)
+
+
+def binding_problems(
+    directory: Path, manifest: Mapping[str, Any], files: Sequence[str]
+) -> list[str]:
+    """Pieces whose key in ``files`` holds another tensor's elements than the manifest says:
+    each shard file records, under ``__index__``, the tensor name and element range of each of
+    its keys, so a manifest pointing a piece at the wrong key is refused before loading."""
+    problems = []
+    for file in files:
+        if file not in manifest["files"] or not file.startswith("zero_shards_"):
+            continue
+        try:
+            index = load_file(directory / file, mmap=True).get(INDEX)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if index is None:
+            problems.append(f"{file} has no {INDEX}: written by an older ds; save it again")
+            continue
+        for name, entry in manifest["tensors"].items():
+            for f, key, start, stop in entry["pieces"]:
+                if f == file and list(index.get(key, ())) != [name, start, stop]:
+                    problems.append(
+                        f"tensor {name!r} elements [{start}, {stop}) point at {file} key "
+                        f"{key!r}, which holds {index.get(key)!r} [name, start, stop]: the "
+                        "manifest does not match the file"
+                    )
+    return problems

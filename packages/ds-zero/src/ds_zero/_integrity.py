@@ -1,0 +1,466 @@
+"""Checkpoint integrity: every file of a checkpoint directory listed with its size, checksums and
+the tensors it holds, and checked before any value is loaded.
+
+[Note: checkpoint integrity]
+A finished checkpoint directory holds ``ds_manifest.json``::
+
+    {"format": "ds.checkpoint/1", "chunk": 16777216,
+     "files": {"mp_rank_00_model_states.pt": {"bytes": 9043, "crc32": [2837261], "tensors": {
+                   "module/tok.weight": {"offset": 1344, "nbytes": 8192, "shape": [64, 32],
+                                         "dtype": "torch.float32", "crc32": 99121}, ...}},
+               "zero/zero_shards_rank00000.pt": {...}, "rng_state_rank00001.pt": {...}, ...},
+     "manifest_crc32": 1234}
+
+Every file under the directory is listed (model states, optimizer shards, rng, scheduler and
+client state, layer and expert files, the nested ``zero/manifest.json``), so a file that is
+changed, truncated, swapped for another or added afterwards is refused. A file's checksums are
+CRC-32 of consecutive 16 MiB chunks (hashed on several threads, as fast as the disk; zlib
+releases the GIL), and each tensor of a ``.pt`` file is bound to its file, its name (its path in
+the saved object), the byte offset of its storage in the file, its shape, dtype and the CRC-32 of
+its bytes. Loading checks whole files first (cheap: one pass, shared out among the ranks); only
+when a file fails are its tensors checked one by one, so the error names the tensor whose bytes
+changed, or says the pickled non-tensor data (counters such as ``global_steps``, the client
+state) changed. ``manifest_crc32`` seals the manifest itself: an edited manifest is refused.
+
+Verification is collective: each rank checks a share of the files, every rank gets every rank's
+problems (one ``all_gather_object``) and all raise the same :class:`CheckpointError`, so no
+rank waits on one that failed. Nothing is unpickled before the check, so a broken file cannot
+crash a rank first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CHUNK",
+    "DIRECTORY_MANIFEST",
+    "CheckpointError",
+    "ChunkedCrcWriter",
+    "agree",
+    "check_seal",
+    "file_problem",
+    "file_record",
+    "is_complete",
+    "load_file",
+    "read_json",
+    "seal",
+    "verify_directory",
+    "verify_files",
+    "write_directory_manifest",
+]
+
+DIRECTORY_MANIFEST = "ds_manifest.json"
+DIRECTORY_FORMAT = "ds.checkpoint/1"
+CHUNK = 16 << 20
+_SEAL = "manifest_crc32"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is incomplete, corrupted or does not fit the optimizer."""
+
+
+# --- checksums -----------------------------------------------------------------------------------
+
+
+def _threads() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, local)))
+
+
+def _crc_range(path: Path, start: int, length: int) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while length > 0:
+            data = os.pread(f.fileno(), min(length, 4 << 20), start)
+            if not data:
+                break
+            crc = zlib.crc32(data, crc)
+            start, length = start + len(data), length - len(data)
+    return crc
+
+
+def _crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:
+    """CRC-32 of each ``(path, start, length)``, on a few threads (zlib releases the GIL)."""
+    if len(jobs) <= 1:
+        return [_crc_range(*job) for job in jobs]
+    with ThreadPoolExecutor(min(_threads(), len(jobs))) as pool:
+        return list(pool.map(lambda job: _crc_range(*job), jobs))
+
+
+def _chunks(size: int) -> list[tuple[int, int]]:
+    return [(at, min(CHUNK, size - at)) for at in range(0, size, CHUNK)] or [(0, 0)]
+
+
+class ChunkedCrcWriter:
+    """A write-only stream that forwards bytes and keeps the CRC-32 of each ``CHUNK`` of them, so
+    a file's record costs no second read."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.bytes, self.crcs, self._crc = file, 0, [], 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        while len(view):
+            room = CHUNK - self.bytes % CHUNK
+            part, view = view[:room], view[room:]
+            self._crc = zlib.crc32(part, self._crc)
+            self.bytes += len(part)
+            if self.bytes % CHUNK == 0:
+                self.crcs.append(self._crc)
+                self._crc = 0
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def record(self) -> dict[str, Any]:
+        """``{"bytes", "crc32": [per chunk]}`` of everything written."""
+        crcs = list(self.crcs)
+        if self.bytes % CHUNK or not crcs:
+            crcs.append(self._crc)
+        return {"bytes": self.bytes, "crc32": crcs}
+
+
+def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
+    """Each tensor of a ``torch.save`` file: its path in the saved object, the byte offset and
+    size of its storage in the file, shape, dtype and the CRC-32 of the storage's bytes (see
+    [Note: checkpoint integrity]). Empty for files that are not a weights-only zip archive."""
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        reader = torch._C.PyTorchFileReader(str(path))
+        offsets = [
+            reader.get_record_offset(r) for r in reader.get_all_records() if "data/" in r[:8]
+        ]
+    except Exception:  # not a zip-format torch file: the whole-file checksums still cover it
+        return {}
+    found: list[tuple[str, torch.Tensor]] = []
+    _walk(obj, "", found)
+    stored = [(n, t) for n, t in found if t.untyped_storage().nbytes() > 0]
+    if not stored or not offsets:
+        return {}
+    base = min(t.untyped_storage().data_ptr() for _, t in stored) - min(offsets)
+    index = {}
+    for name, t in stored:
+        storage = t.untyped_storage()
+        index[name] = {
+            "offset": storage.data_ptr() - base,
+            "nbytes": storage.nbytes(),
+            "storage_offset": t.storage_offset(),
+            "shape": list(t.shape),
+            "dtype": str(t.dtype),
+        }
+    jobs = [(path, e["offset"], e["nbytes"]) for e in index.values()]
+    for entry, crc in zip(index.values(), _crc_ranges(jobs)):
+        entry["crc32"] = crc
+    return index
+
+
+def _walk(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    if torch.is_tensor(obj):
+        out.append((prefix or "<root>", obj))
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _walk(value, f"{prefix}/{key}" if prefix else str(key), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _walk(value, f"{prefix}[{i}]", out)
+
+
+def file_record(path: Path, *, tensors: bool = True) -> dict[str, Any]:
+    """``{"bytes", "crc32": [per chunk], "tensors": {...}}`` of the file at ``path``."""
+    size = path.stat().st_size
+    record: dict[str, Any] = {
+        "bytes": size,
+        "crc32": _crc_ranges([(path, a, n) for a, n in _chunks(size)]),
+    }
+    if tensors and path.suffix == ".pt":
+        record["tensors"] = _tensor_index(path)
+    return record
+
+
+# --- the manifest file ---------------------------------------------------------------------------
+
+
+def _canonical(manifest: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k != _SEAL}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``manifest`` with its own CRC-32 added (an edited manifest is then refused)."""
+    return {**manifest, _SEAL: zlib.crc32(_canonical(manifest))}
+
+
+def check_seal(manifest: Mapping[str, Any], path: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``manifest`` (read from ``path``) is sealed and
+    unchanged."""
+    if _SEAL not in manifest:
+        raise CheckpointError(
+            f"{path} has no {_SEAL}: written by an older ds or by hand, so its entries cannot be "
+            "trusted; save the checkpoint again with this version"
+        )
+    if manifest[_SEAL] != zlib.crc32(_canonical(manifest)):
+        raise CheckpointError(
+            f"{path} was changed after it was written (its {_SEAL} does not match its "
+            "contents): the checkpoint cannot be trusted"
+        )
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; a :class:`CheckpointError` naming the file and what is wrong
+    with it otherwise (``what`` says what the file is)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"{what} {str(path)!r} cannot be read: {exc}") from None
+    if not raw:
+        raise CheckpointError(f"{what} {str(path)!r} is empty (0 bytes): the write did not finish")
+    try:
+        loaded = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{what} {str(path)!r} is not UTF-8 JSON text (byte {exc.start} of {len(raw)})"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{what} {str(path)!r} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}, {len(raw)} bytes): truncated or overwritten"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(
+            f"{what} {str(path)!r} holds a {type(loaded).__name__}, not an object"
+        )
+    return loaded
+
+
+def load_file(path: Path, *, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; a :class:`CheckpointError` naming the
+    file and the reason when it is absent, truncated or not a checkpoint file."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except Exception as exc:  # torch raises OSError, RuntimeError or UnpicklingError
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} ({path.stat().st_size} bytes) cannot be read: it is "
+            f"truncated, corrupted or not a torch.save file ({type(exc).__name__}: {reason})"
+        ) from None
+
+
+def is_complete(directory: Path, manifest_name: str = DIRECTORY_MANIFEST) -> bool:
+    """Whether ``directory`` holds a finished save: its manifest present, whole and sealed."""
+    try:
+        check_seal(read_json(directory / manifest_name, "manifest"), directory / manifest_name)
+    except CheckpointError:
+        return False
+    return True
+
+
+# --- verifying -----------------------------------------------------------------------------------
+
+
+def _damaged_tensors(path: Path, record: Mapping[str, Any], size: int) -> list[str]:
+    """The tensors of a failed file whose bytes are gone or differ."""
+    entries = record.get("tensors", {})
+    whole = {n: e for n, e in entries.items() if e["offset"] + e["nbytes"] <= size}
+    crcs = _crc_ranges([(path, e["offset"], e["nbytes"]) for e in whole.values()])
+    damaged = [n for (n, e), crc in zip(whole.items(), crcs) if crc != e["crc32"]]
+    return damaged + [n for n in entries if n not in whole]
+
+
+def _describe(names: Sequence[str], entries: Mapping[str, Any]) -> str:
+    shown = [
+        f"{n!r} ({entries[n]['dtype']} {entries[n]['shape']} at byte {entries[n]['offset']})"
+        for n in names[:3]
+    ]
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(shown) + more
+
+
+def file_problem(directory: Path, name: str, record: Mapping[str, Any]) -> str | None:
+    """What is wrong with file ``name`` of ``directory`` against its manifest record (None when
+    it matches): absent, truncated, or corrupted, naming the tensors whose bytes changed."""
+    path = directory / name
+    if not path.is_file():
+        return f"{name} absent"
+    size = path.stat().st_size
+    if "sha256" in record:  # manifests of earlier releases
+        import hashlib
+
+        if (
+            size == record["bytes"]
+            and hashlib.sha256(path.read_bytes()).hexdigest() == record["sha256"]
+        ):
+            return None
+    elif size == record["bytes"]:
+        crcs = _crc_ranges([(path, a, n) for a, n in _chunks(size)])
+        if crcs == list(record["crc32"]):
+            return None
+    entries = record.get("tensors", {})
+    damaged = _damaged_tensors(path, record, size)
+    if size != record["bytes"]:
+        where = f"; tensors lost: {_describe(damaged, entries)}" if damaged else ""
+        return f"{name} truncated ({size} of {record['bytes']} bytes){where}"
+    if damaged:
+        return f"{name} corrupted: the bytes of tensor {_describe(damaged, entries)} changed"
+    if "tensors" not in record:
+        return f"{name} corrupted (its checksum differs from the manifest's)"
+    what = "its non-tensor data (pickled counters such as global_steps, client state)"
+    return f"{name} corrupted (its checksum differs from the manifest's; {what} changed)"
+
+
+def _share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
+    """This rank's files to check: the biggest first, each to the least-loaded rank."""
+    load = [0] * world
+    mine = []
+    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += int(files[name]["bytes"]) + 1
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def verify_files(
+    directory: Path, files: Mapping[str, Mapping[str, Any]], *, rank: int = 0, world_size: int = 1
+) -> list[str]:
+    """Problems of this rank's share of ``files`` (each rank checks about 1/world of the bytes)."""
+    problems = []
+    for name in _share(files, rank, world_size):
+        try:
+            problem = file_problem(directory, name, files[name])
+        except OSError as exc:
+            problem = f"{name} cannot be read: {exc}"
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def _topology(group: Any) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def agree(problems: Sequence[str], group: Any = None) -> list[str]:
+    """Every rank's problems, on every rank (a collective: all ranks must call it)."""
+    _, world = _topology(group)
+    if world == 1:
+        return list(problems)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, list(problems), group=group)
+    return [p for share in out for p in share]
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != DIRECTORY_MANIFEST and not p.name.startswith(".")
+    )
+
+
+def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
+    """Record every file under ``directory`` in its ``ds_manifest.json`` (each rank checksums a
+    share; global rank 0 of ``group`` writes the manifest, fsynced, through a rename). Every rank
+    of ``group`` must call it, after every file is written."""
+    rank, world = _topology(group)
+    names = _listing(directory)
+    sizes = {n: {"bytes": (directory / n).stat().st_size} for n in names}
+    mine = {n: file_record(directory / n) for n in _share(sizes, rank, world)}
+    files: dict[str, Any] = {}
+    if world > 1:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, mine, group=group)
+        for part in out:
+            files.update(part)
+    else:
+        files = mine
+    if rank == 0:
+        manifest = seal(
+            {"format": DIRECTORY_FORMAT, "chunk": CHUNK, "files": dict(sorted(files.items()))}
+        )
+        write_json_atomic(manifest, directory / DIRECTORY_MANIFEST)
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    """Write ``obj`` as JSON through a fsynced temporary file and a rename."""
+    temp = path.with_name(f".{path.name}.tmp")
+    with open(temp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def _unusable(path: Path, problems: Sequence[str]) -> str:
+    shown = list(problems[:8])
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return f"checkpoint {str(path)!r} cannot be loaded:\n  " + "\n  ".join(shown) + more
+
+
+def read_directory_manifest(directory: Path) -> dict[str, Any]:
+    """The sealed ``ds_manifest.json`` of ``directory`` (a :class:`CheckpointError` naming what
+    is wrong otherwise)."""
+    path = directory / DIRECTORY_MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} has no {DIRECTORY_MANIFEST}: the save did not finish, "
+            "or an older ds wrote it; nothing in it can be verified, so it is not loaded"
+        )
+    manifest = read_json(path, "checkpoint manifest")
+    if manifest.get("format") != DIRECTORY_FORMAT:
+        raise CheckpointError(
+            f"{path} has format {manifest.get('format')!r}; this ds reads {DIRECTORY_FORMAT!r}"
+        )
+    check_seal(manifest, path)
+    return manifest
+
+
+def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:
+    """Check every file of a checkpoint directory against its ``ds_manifest.json`` before
+    anything is loaded (see [Note: checkpoint integrity]). Collective over ``group`` (every rank
+    must call it; all get the same verdict).
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: naming each file (and tensor) that is absent, truncated, corrupted or
+            not in the manifest, on every rank.
+
+    Example:
+        >>> verify_directory("ckpts/global_step100")["files"].keys()
+    """
+    source = Path(directory)
+    rank, world = _topology(group)
+    manifest: dict[str, Any] = {}
+    try:
+        manifest = read_directory_manifest(source)
+        problems = verify_files(source, manifest["files"], rank=rank, world_size=world)
+        if rank == 0:
+            extra = [n for n in _listing(source) if n not in manifest["files"]]
+            problems += [
+                f"{n} is not in {DIRECTORY_MANIFEST} (added after the save)" for n in extra
+            ]
+    except CheckpointError as exc:
+        problems = [str(exc)]
+    problems = list(dict.fromkeys(agree(problems, group)))
+    if problems:
+        if len(problems) == 1 and problems[0].startswith(("checkpoint ", str(source))):
+            raise CheckpointError(problems[0])
+        raise CheckpointError(_unusable(source, problems))
+    return manifest
