@@ -108,6 +108,17 @@ def test_enabled_from_the_environment() -> None:
     assert results == [[True, True]] * 2
 
 
+def _group_device_body(rank: int, world_size: int) -> list[str]:
+    import ds_comm
+
+    sub = ds_comm.new_group(list(range(world_size)))
+    return [str(ds_comm.group_device()), str(ds_comm.group_device(sub))]
+
+
+def test_control_tensors_of_a_gloo_group_live_on_the_host() -> None:
+    assert run_on_ranks(_group_device_body, 2) == [["cpu", "cpu"]] * 2
+
+
 def test_off_by_default() -> None:
     assert run_on_ranks(_off_body, 1, fresh=True) == [False]
 
@@ -147,6 +158,8 @@ def _gpu_body(rank: int, world_size: int) -> list[str]:
             ds_comm.all_reduce(torch.ones(4, device="meta"), group=gloo)
         except ds_comm.DeviceGuardError as exc:
             out.append(str(exc))
+        # ds's own control tensors: on the device for NCCL, on the host for gloo
+        out += [str(ds_comm.group_device()), str(ds_comm.group_device(gloo))]
     finally:
         ds_comm.device_guard(previous)
     return [device, *out]
@@ -154,7 +167,9 @@ def _gpu_body(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.gpu(1)
 def test_rules_on_a_gpu() -> None:
-    device, nccl_error, gloo_error = run_on_ranks(_gpu_body, 1, backend="nccl", fresh=True)[0]
+    result = run_on_ranks(_gpu_body, 1, backend="nccl", fresh=True)[0]
+    device, nccl_error, gloo_error, nccl_control, gloo_control = result
     assert device.startswith("cuda:")
+    assert (nccl_control, gloo_control) == (device, "cpu")
     assert "got a tensor on cpu" in nccl_error and f"expected {device} for this nccl" in nccl_error
     assert f"expected cpu or {device} for this gloo group" in gloo_error

@@ -54,7 +54,7 @@ from ds_comm._compat import (
     reduce_scatter_fn,
 )
 from ds_comm._compressed import CompressedAllReduce, compressed_all_reduce
-from ds_comm._device_guard import device_guard
+from ds_comm._device_guard import device_guard, group_device
 from ds_comm._env import LaunchEnv
 from ds_comm._gather_scatter import all_to_all, gather, monitored_barrier, scatter
 from ds_comm._init import (
@@ -192,6 +192,7 @@ __all__ = [
     "get_logged_comm_ops",
     "annotate",
     "device_guard",
+    "group_device",
     # bucketing and compression
     "Bucket",
     "flatten_into_buckets",

@@ -53,6 +53,20 @@ def expected_devices(group: Any) -> tuple[torch.device, ...]:
     return (_CPU, current)
 
 
+def group_device(group: Any = None) -> torch.device:
+    """The device for ds's own small tensors on ``group`` (flags, norms, headers, object bytes).
+
+    The accelerator's device for an NCCL-only group, else the host: gloo takes host tensors on
+    every build, so control traffic on a gloo group never forces a host-device copy.
+    """
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend and "cpu:" not in backend:
+        from ds_comm.accelerator import get_accelerator
+
+        return torch.device(get_accelerator().current_device_name())
+    return _CPU
+
+
 def _check(op: str, group: Any, tensors: Sequence[torch.Tensor]) -> None:
     allowed = expected_devices(group)
     for index, tensor in enumerate(tensors):

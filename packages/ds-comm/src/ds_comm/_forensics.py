@@ -67,6 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_comm._device_guard import group_device
 from ds_comm._instrument import P2P_OPS, TRACKER, CallRecord, Fingerprint
 from ds_comm.api import (
     CollectiveMismatchError,
@@ -469,9 +470,7 @@ def _check_fingerprints(rec: CallRecord) -> None:
         return
     fp = rec.fingerprint
     group = rec.group
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = group_device(group)
     mine = torch.tensor([_signature_hash(fp)], dtype=torch.int64, device=device)
     everyone = torch.empty(len(fp.group), dtype=torch.int64, device=device)
     rec.blocking = True  # even for an async op, this thread now waits in the check

@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ds_comm import _forensics
 from ds_comm._env import DEFAULT_PORT, LaunchEnv, discover, local_rank_from_env, mpi_env_detected
 from ds_comm._instrument import TRACKER
+from ds_comm.accelerator import get_accelerator
 from ds_comm.api import DistributedEnvError
 
 __all__ = [
@@ -100,11 +100,12 @@ def init_distributed(
         _forensics.ensure_armed()
         return adopted
 
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    accelerator = get_accelerator()
+    backend = dist_backend or accelerator.communication_backend_name()
     launch = _discover(auto_mpi_discovery, distributed_port, init_method, rank, world_size)
     launch.export(os.environ)
-    if "nccl" in backend and torch.cuda.is_available():
-        _set_cuda_device(launch.local_rank)
+    if "nccl" in backend and accelerator.device_name() != "cpu":
+        _set_device(launch.local_rank)
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -233,14 +234,16 @@ def _adopt_existing(rank: int, world_size: int, verbose: bool) -> LaunchEnv:
     )
 
 
-def _set_cuda_device(local_rank: int) -> None:
-    count = torch.cuda.device_count()
+def _set_device(local_rank: int) -> None:
+    accelerator = get_accelerator()
+    count = accelerator.device_count()
     if local_rank >= count:
         raise DistributedEnvError(
-            f"local rank {local_rank} but this host has {count} CUDA device(s): launch at most "
-            f"{count} processes per host, or restrict with CUDA_VISIBLE_DEVICES consistently"
+            f"local rank {local_rank} but this host has {count} {accelerator.device_name()} "
+            f"device(s): launch at most {count} processes per host, or restrict with "
+            "CUDA_VISIBLE_DEVICES consistently"
         )
-    torch.cuda.set_device(local_rank)
+    accelerator.set_device(local_rank)
 
 
 def is_initialized() -> bool:

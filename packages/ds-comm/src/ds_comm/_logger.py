@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from ds_comm import _forensics
 from ds_comm._instrument import TRACKER, CallRecord
+from ds_comm.accelerator import get_accelerator
 from ds_comm.api import CommsLoggerConfig
 
 __all__ = [
@@ -131,9 +131,9 @@ class CommsLogger:
         fp = rec.fingerprint
         if self._only is not None and fp.op not in self._only:
             return
-        if rec.device == "cuda":
+        if rec.device != "cpu":
             # The op may still be running on its stream: wait for it so latency is real.
-            torch.cuda.synchronize()
+            get_accelerator().synchronize()
             rec.end = time.perf_counter()
         latency = max(rec.latency_s, 1e-9)
         n = len(fp.group)
@@ -183,10 +183,10 @@ class CommsLogger:
 _LOGGER = CommsLogger()
 
 
-def _begin_cuda(rec: CallRecord) -> None:
+def _begin_on_device(rec: CallRecord) -> None:
     # Start the clock after earlier queued kernels finish, so they are not billed to this op.
-    if rec.device == "cuda":
-        torch.cuda.synchronize()
+    if rec.device != "cpu":
+        get_accelerator().synchronize()
         rec.start = time.perf_counter()
 
 
@@ -267,7 +267,8 @@ def configure(
     previous, _LOGGER.config = _LOGGER.config, new
     _LOGGER._only = None if new.prof_all else frozenset(new.prof_ops)
     _install(TRACKER.on_end, _LOGGER.record, new.enabled)
-    _install(TRACKER.on_begin, _begin_cuda, new.enabled and torch.cuda.is_available())
+    on_device = get_accelerator().device_name() != "cpu"
+    _install(TRACKER.on_begin, _begin_on_device, new.enabled and on_device)
     _forensics.set_debug(new.debug)
     return previous
 

@@ -16,22 +16,12 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ds_comm._collectives import _Member, _member, all_gather_into_tensor, broadcast
+from ds_comm._device_guard import group_device
 from ds_comm._gather_scatter import _root_index, gather, scatter
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
-
-
-def _device(group: Any) -> torch.device:
-    """Where object bytes travel for ``group``: the accelerator device only if the backend needs it."""
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and "cpu:" not in backend:
-        from ds_comm.accelerator import get_accelerator
-
-        return torch.device(get_accelerator().current_device_name())
-    return torch.device("cpu")
 
 
 def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
@@ -73,7 +63,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
         raise ValueError(
             f"all_gather_object: object_list has {len(object_list)} entries, group has {n} ranks"
         )
-    payload = _to_bytes(obj, _device(group))
+    payload = _to_bytes(obj, group_device(group))
     sizes, longest = _all_sizes(payload, member, group)
     gathered = payload.new_empty(n * longest)
     all_gather_into_tensor(gathered, _padded(payload, longest), group=group)
@@ -95,7 +85,7 @@ def broadcast_object_list(
     if (member := _member(group)) is None:
         return
     is_src = _root_index("broadcast_object_list", src, member) == member.me
-    where = torch.device(device) if device is not None else _device(group)
+    where = torch.device(device) if device is not None else group_device(group)
     count = len(object_list)
     if is_src:
         payloads = [_to_bytes(obj, where) for obj in object_list]
@@ -130,7 +120,7 @@ def gather_object(
         raise ValueError(
             f"gather_object: on dst {dst} object_gather_list needs {n} entries, got {got}"
         )
-    payload = _to_bytes(obj, _device(group))
+    payload = _to_bytes(obj, group_device(group))
     sizes, longest = _all_sizes(payload, member, group)
     outputs = [payload.new_empty(longest) for _ in range(n)] if is_dst else None
     gather(_padded(payload, longest), outputs, dst=dst, group=group)
@@ -156,7 +146,7 @@ def scatter_object_list(
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ValueError("scatter_object_list: scatter_object_output_list must be a non-empty list")
     is_src = _root_index("scatter_object_list", src, member) == member.me
-    where = _device(group)
+    where = group_device(group)
     if is_src:
         if scatter_object_input_list is None or len(scatter_object_input_list) != n:
             got = "None" if scatter_object_input_list is None else len(scatter_object_input_list)

@@ -15,8 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
+from ds_comm.accelerator import get_accelerator
 from ds_engine.api import DeepSpeedConfig
 
 __all__ = ["Progress", "Timers", "numerics_table"]
@@ -120,8 +119,9 @@ class Timers:
 
 
 def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" and accelerator.is_available():
+        accelerator.synchronize()
 
 
 class Progress:

@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import ds_comm
 
@@ -75,8 +74,8 @@ def _per_tensor_norms(grads: list[torch.Tensor], p: float) -> list[torch.Tensor]
 def _result_device(grads: list[torch.Tensor], group: Any) -> torch.device:
     if grads:
         return grads[0].device
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    if group is not None:
+        return ds_comm.group_device(group)
     return torch.device("cpu")
 
 

@@ -187,8 +187,8 @@ class PipelineModule(nn.Module):
         self._local_layer_ids: list[int] = []
         self.forward_funcs: list[Callable[..., Any]] = []
         self._build()
-        if ds_comm.is_initialized() and torch.distributed.get_backend() == "nccl":
-            self.to(torch.device("cuda", torch.cuda.current_device()))
+        if ds_comm.is_initialized() and ds_comm.group_device().type != "cpu":
+            self.to(ds_comm.group_device())
         self._tied_groups = self._index_tied_modules()
         self._synchronize_tied_weights()
 
