@@ -349,10 +349,50 @@ def test_data_types_section() -> None:
         DeepSpeedConfig.from_dict(
             {**BASE, "bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}
         )
-    with pytest.raises(ConfigError, match=r"grad_accum_dtype.*not implemented in ds"):
-        DeepSpeedConfig.from_dict({**BASE, "data_types": {"grad_accum_dtype": "fp32"}})
     with pytest.raises(ConfigError, match="keep_in_fp32_modules"):
         DeepSpeedConfig.from_dict({**BASE, "data_types": {"keep_in_fp32_modules": "all"}})
+
+
+def _offload(stage: int) -> dict[str, Any]:
+    return {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize(
+    ("precision", "zero", "accum", "accepted"),
+    [
+        # The dtype ds accumulates in: the model's at stages 0-2, fp32 at stage 3 and at
+        # stage 2 under optimizer offload (its fp32 host partition).
+        (None, {"stage": 0}, "fp32", True),
+        ("bf16", {"stage": 1}, "bf16", True),
+        ("fp16", {"stage": 2}, "float16", True),
+        ("bf16", {"stage": 3}, "fp32", True),
+        ("bf16", _offload(2), "fp32", True),
+        ("bf16", _offload(1), "bf16", True),
+        ("bf16", {"stage": 0}, "fp32", False),
+        ("bf16", {"stage": 2}, "fp32", False),
+        ("bf16", {"stage": 3}, "bf16", False),
+        ("bf16", _offload(2), "bf16", False),
+        (None, {"stage": 1}, "bf16", False),
+    ],
+)
+def test_grad_accum_dtype_is_what_ds_accumulates_in(
+    precision: str | None, zero: dict[str, Any], accum: str, accepted: bool
+) -> None:
+    config = {**BASE, "zero_optimization": zero, "data_types": {"grad_accum_dtype": accum}}
+    if precision is not None:
+        config[precision] = {"enabled": True}
+    if accepted:
+        assert DeepSpeedConfig.from_dict(config).data_types.grad_accum_dtype == accum
+        return
+    with pytest.raises(ConfigError, match=r"grad_accum_dtype = .*not implemented in ds"):
+        DeepSpeedConfig.from_dict(config)
+
+
+def test_nvme_optimizer_offload_at_stage_3_is_refused_at_start_up() -> None:
+    section = {"device": "nvme", "nvme_path": "/tmp"}
+    zero = {"stage": 3, "offload_optimizer": section}
+    with pytest.raises(ConfigError, match=r'device = "nvme" at .*stage = 3.*not implemented in ds'):
+        DeepSpeedConfig.from_dict({**BASE, "zero_optimization": zero})
 
 
 # --- accessors -------------------------------------------------------------------------------

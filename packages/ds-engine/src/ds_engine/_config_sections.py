@@ -41,6 +41,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float": torch.float32,
     "torch.float32": torch.float32,
 }
+_DTYPE_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def dtype_from_name(where: str, name: Any) -> torch.dtype | None:
@@ -151,8 +152,9 @@ class DataTypesConfig:
     """The ``data_types`` section (DeepSpeed 0.19).
 
     Attributes:
-        grad_accum_dtype: dtype gradients accumulate in; null (default) is the model's dtype.
-            Other values are not implemented in ds (refused).
+        grad_accum_dtype: dtype gradients accumulate in; null (default) is the dtype ds
+            accumulates in (see :meth:`check_grad_accum`). Naming that dtype is accepted; any
+            other is not implemented in ds (refused).
         param_dtype: null, or the dtype the enabled fp16/bf16 mode implies (checked by
             :class:`ds_engine.DeepSpeedConfig`; a different one is an error, as in DeepSpeed).
         buffer_dtype: null keeps the model's buffers in their loaded dtype under fp16/bf16
@@ -170,12 +172,6 @@ class DataTypesConfig:
         dtype_from_name("data_types.param_dtype", self.param_dtype)
         dtype_from_name("data_types.buffer_dtype", self.buffer_dtype)
         dtype_from_name("data_types.grad_accum_dtype", self.grad_accum_dtype)
-        if self.grad_accum_dtype is not None:
-            raise ConfigError(
-                f"data_types.grad_accum_dtype = {self.grad_accum_dtype!r} asks for a separate "
-                "gradient accumulation dtype, which is not implemented in ds; remove it (null: "
-                "the model's dtype)"
-            )
         keep = self.keep_in_fp32_modules
         if keep != "auto":
             if not isinstance(keep, (list, tuple)) or not all(isinstance(n, str) for n in keep):
@@ -189,6 +185,19 @@ class DataTypesConfig:
     def param_torch_dtype(self) -> torch.dtype | None:
         """``param_dtype`` as a torch dtype (None: follows fp16/bf16)."""
         return dtype_from_name("data_types.param_dtype", self.param_dtype)
+
+    def check_grad_accum(self, accumulates_in: torch.dtype, where: str) -> None:
+        """Refuse a ``grad_accum_dtype`` other than ``accumulates_in``, the dtype ds
+        accumulates gradients in for this config (``where`` says why, for the message)."""
+        requested = dtype_from_name("data_types.grad_accum_dtype", self.grad_accum_dtype)
+        if requested is None or requested == accumulates_in:
+            return
+        name = _DTYPE_SHORT.get(accumulates_in, str(accumulates_in))
+        raise ConfigError(
+            f"data_types.grad_accum_dtype = {self.grad_accum_dtype!r} asks for gradients "
+            f"accumulated in another dtype than the one ds uses here ({name}: {where}), which "
+            f'is not implemented in ds; remove it or set "{name}"'
+        )
 
     @property
     def buffer_torch_dtype(self) -> torch.dtype | None:

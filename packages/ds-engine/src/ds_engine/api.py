@@ -226,7 +226,17 @@ class DeepSpeedConfig(Mapping[str, Any]):
         if self.user_config is None:
             triad = {k: getattr(self, k) for k in _BATCH_KEYS}
             object.__setattr__(self, "user_config", triad)
+        self._check_grad_accum()
         if self.zero_optimization.offload_optimizer.device == "nvme":
+            if self.zero_optimization.stage == 3:
+                # ds_zero's stage 3 optimizer takes no swapper (build_zero_optimizer refuses it
+                # too); refused here, at start-up, with the key. Issue 21 lifts it.
+                raise ConfigError(
+                    'zero_optimization.offload_optimizer.device = "nvme" at zero_optimization.'
+                    "stage = 3 asks for optimizer-state NVMe offload at ZeRO stage 3 "
+                    '(ZeRO-Infinity), which is not implemented in ds; use device "cpu", or '
+                    "stage 2 with NVMe"
+                )
             aio = require(
                 "ds_offload_aio",
                 "ds-offload-aio",
@@ -251,6 +261,23 @@ class DeepSpeedConfig(Mapping[str, Any]):
             raise ConfigError(f"log_level = {level!r}: expected one of {list(_LOG_LEVELS)}")
         if level is not None:
             object.__setattr__(self, "log_level", level.lower())
+
+    def _check_grad_accum(self) -> None:
+        """``data_types.grad_accum_dtype`` must name the dtype ds accumulates gradients in.
+
+        Stage 3 accumulates into fp32 gradient shards, as does stage 2 under optimizer offload
+        (into the fp32 host partition); stages 0-1 and stage 2 on the device accumulate in the
+        model's dtype (see ds_zero's [Note: where gradients live])."""
+        zero = self.zero_optimization
+        if zero.stage == 3:
+            where = "ZeRO stage 3 accumulates into fp32 gradient shards"
+            self.data_types.check_grad_accum(torch.float32, where)
+        elif zero.stage == 2 and zero.offload_optimizer.enabled:
+            where = "ZeRO stage 2 with offload_optimizer accumulates into the fp32 host partition"
+            self.data_types.check_grad_accum(torch.float32, where)
+        else:
+            where = f"ZeRO stage {zero.stage} accumulates in the model's dtype"
+            self.data_types.check_grad_accum(self.model_dtype, where)
 
     def _check_param_dtype(self) -> None:
         """``data_types.param_dtype`` must be the dtype fp16/bf16 imply (DeepSpeed's check)."""

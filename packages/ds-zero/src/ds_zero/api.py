@@ -187,8 +187,9 @@ class OffloadOptimizerConfig(_OffloadTarget):
             raise ConfigError(f"{where}.ratio = {ratio!r}: expected a number in [0, 1]")
         if ratio < 1:
             raise ConfigError(
-                f"{where}.ratio = {ratio!r}: partial offload is a ZeRO stage 3 feature (not "
-                "supported yet); use 1.0"
+                f"{where}.ratio = {ratio!r} asks for partial optimizer offload (only that "
+                "fraction of the optimizer step on the CPU; a ZeRO stage 3 feature in DeepSpeed), "
+                "which is not implemented in ds; use 1.0 (the whole optimizer step offloaded)"
             )
         object.__setattr__(self, "ratio", float(ratio))
         if _bool(f"{where}.super_offload", self.super_offload):
