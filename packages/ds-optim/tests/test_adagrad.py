@@ -68,6 +68,30 @@ def test_fp16_params_keep_an_fp32_sum() -> None:
     assert all(opt.state[p]["exp_avg_sq"].dtype == torch.float32 for p in params)
 
 
+def test_fp32_optimizer_states_false_keeps_an_fp16_sum() -> None:
+    """DeepSpeed's ``fp32_optimizer_states=False``: the sum lives in fp16; each step adds the
+    squared gradient in fp32 and rounds the sum back."""
+    params = _params(4, torch.float16)
+    opt = ds_optim.Adagrad(params, lr=1e-2, fp32_optimizer_states=False)
+    sums = [torch.zeros(p.shape, dtype=torch.float16) for p in params]
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(5):
+        expected = []
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.float16)
+            grad = p.grad.float()
+            total = sums[i].float() + grad * grad
+            expected.append((p.detach().float() - 1e-2 * grad / (total.sqrt() + 1e-10)).half())
+            sums[i] = total.half()
+        opt.step()
+        torch.testing.assert_close([p.detach() for p in params], expected, rtol=0, atol=0)
+        torch.testing.assert_close([opt.state[p]["exp_avg_sq"] for p in params], sums)
+    built = ds_optim.build_optimizer(
+        {"type": "Adagrad", "params": {"fp32_optimizer_states": False}}, _params(0)
+    )
+    assert built.fp32_optimizer_states is False
+
+
 def test_amsgrad_is_rejected() -> None:
     with pytest.raises(ValueError, match="Adagrad: amsgrad=True is not supported"):
         ds_optim.Adagrad(_params(0), amsgrad=True)

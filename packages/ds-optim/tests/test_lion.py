@@ -107,3 +107,34 @@ def test_zero_grad_follows_set_grad_none(set_grad_none: bool) -> None:
 def test_bad_betas_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"Lion: betas must both be in \[0, 1\)"):
         ds_optim.Lion(_params(0), betas=(1.2, 0.99))
+
+
+def test_fp32_optimizer_states_false_keeps_bf16_momentum() -> None:
+    """DeepSpeed's ``fp32_optimizer_states=False``: the momentum lives in the param's dtype
+    and is the fp32 update's momentum rounded to it, step by step."""
+    params = _params(4, torch.bfloat16)
+    opt = ds_optim.Lion(params, lr=1e-2, weight_decay=0.1, fp32_optimizer_states=False)
+    masters = [p.detach().double() for p in params]
+    moments = [torch.zeros_like(m) for m in masters]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+        for i, p in enumerate(params):
+            masters[i], moments[i] = _lion_by_hand(
+                masters[i],
+                p.grad.double(),
+                moments[i],
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.999,
+                weight_decay=0.1,
+            )
+            moments[i] = moments[i].to(torch.bfloat16).double()  # stored in bf16
+            torch.testing.assert_close(p.detach(), masters[i].to(torch.bfloat16))
+            torch.testing.assert_close(opt.state[p]["exp_avg"], moments[i].to(torch.bfloat16))
+            masters[i] = p.detach().double()
+    assert opt.fp32_optimizer_states is False
+    with pytest.raises(ValueError, match="fp32_optimizer_states"):
+        ds_optim.Lion(params, fp32_optimizer_states="no")

@@ -131,6 +131,15 @@ def test_unknown_type_lists_the_known_types() -> None:
     assert "torch.optim class name" in message
 
 
+def test_muon_is_refused_as_not_implemented(registry) -> None:
+    # torch.optim.Muon would be picked by name otherwise, and fails on ZeRO's flat partitions.
+    section = {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 1e-3, "ns_method": "gram"}}
+    with pytest.raises(ConfigError, match=r"optimizer.type = 'Muon' .*not implemented in ds"):
+        OptimizerConfig.from_dict(section)
+    ds_optim.register_optimizer("Muon", torch.optim.SGD)  # a registered type still wins
+    assert isinstance(ds_optim.build_optimizer({"type": "muon"}, _params()), torch.optim.SGD)
+
+
 def test_unknown_type_suggests_a_close_one() -> None:
     with pytest.raises(ConfigError, match="did you mean 'OneBitAdam'"):
         ds_optim.build_optimizer({"type": "OnebitAdm"}, _params())

@@ -24,7 +24,8 @@ class Adagrad(mt.FP32StateOptimizer):
     DeepSpeed's ``DeepSpeedCPUAdagrad`` arguments and state name (``exp_avg_sq``, the running sum
     of squared grads), on any device, matching ``torch.optim.Adagrad`` (no ``lr_decay``, zero
     initial accumulator). See [Note: Adagrad weight decay] in the source for how weight decay
-    differs from DeepSpeed's CPU kernel. fp16/bf16 params keep an fp32 sum.
+    differs from DeepSpeed's CPU kernel. fp16/bf16 params keep an fp32 sum unless
+    ``fp32_optimizer_states`` is False.
 
     Args:
         params: Params or param groups.
@@ -32,6 +33,9 @@ class Adagrad(mt.FP32StateOptimizer):
         eps: Added to ``sqrt(sum)``.
         weight_decay: L2 penalty added to the gradient.
         amsgrad: Not supported (accepted for DeepSpeed's signature); True raises.
+        fp32_optimizer_states: keep the sum of fp16/bf16 params in fp32 (DeepSpeed's
+            ``DeepSpeedCPUAdagrad`` default); False keeps it in the param's dtype (half the
+            memory; the update still runs in fp32).
 
     Example:
         >>> opt = ds_optim.Adagrad(model.parameters(), lr=1e-2)
@@ -44,6 +48,7 @@ class Adagrad(mt.FP32StateOptimizer):
         eps: float = 1e-10,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
     ) -> None:
         if amsgrad:
             raise ValueError("Adagrad: amsgrad=True is not supported (it is an Adam variant)")
@@ -53,12 +58,15 @@ class Adagrad(mt.FP32StateOptimizer):
             "weight_decay": mt.check_non_negative("Adagrad", "weight_decay", weight_decay),
         }
         super().__init__(params, defaults)
+        self.fp32_optimizer_states = mt.check_flag(
+            "Adagrad", "fp32_optimizer_states", fp32_optimizer_states
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Takes one step for every param that has a grad; returns ``closure()`` if given."""
         loss = mt.run_closure(closure)
-        for group, _, bucket in mt.iter_buckets(self, _init_state):
+        for group, _, bucket in mt.iter_buckets(self, self._init_state):
             params, grads, sums = (
                 bucket.work_params(),
                 bucket.work_grads(),
@@ -74,6 +82,5 @@ class Adagrad(mt.FP32StateOptimizer):
             bucket.write_back()
         return loss
 
-
-def _init_state(param: torch.Tensor) -> dict[str, Any]:
-    return {"step": 0, "exp_avg_sq": mt.zeros_state(param)}
+    def _init_state(self, param: torch.Tensor) -> dict[str, Any]:
+        return {"step": 0, "exp_avg_sq": mt.zeros_state(param, self.fp32_optimizer_states)}

@@ -23,7 +23,7 @@ class Lion(mt.FP32StateOptimizer):
     smaller than AdamW's and its weight decay 3-10x larger. ``betas`` default to DeepSpeed's
     ``FusedLion`` value ``(0.9, 0.999)``, so a DeepSpeed config without ``betas`` trains the same;
     the paper recommends ``(0.9, 0.99)``. fp16/bf16 params
-    keep an fp32 ``exp_avg``.
+    keep an fp32 ``exp_avg`` unless ``fp32_optimizer_states`` is False.
 
     Args:
         params: Params or param groups.
@@ -31,6 +31,9 @@ class Lion(mt.FP32StateOptimizer):
         betas: Interpolation factor of the update (``beta1``) and momentum decay (``beta2``).
         weight_decay: Decoupled weight decay factor.
         set_grad_none: ``zero_grad()`` sets grads to None (else zeroes them).
+        fp32_optimizer_states: keep ``exp_avg`` of fp16/bf16 params in fp32 (DeepSpeed's
+            ``DeepSpeedCPULion`` default); False keeps it in the param's dtype (half the memory;
+            the update still runs in fp32).
 
     Example:
         >>> opt = ds_optim.Lion(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -43,6 +46,7 @@ class Lion(mt.FP32StateOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         set_grad_none: bool = True,
+        fp32_optimizer_states: bool = True,
     ) -> None:
         defaults = {
             "lr": mt.check_non_negative("Lion", "lr", lr),
@@ -51,12 +55,15 @@ class Lion(mt.FP32StateOptimizer):
         }
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
+        self.fp32_optimizer_states = mt.check_flag(
+            "Lion", "fp32_optimizer_states", fp32_optimizer_states
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Takes one step for every param that has a grad; returns ``closure()`` if given."""
         loss = mt.run_closure(closure)
-        for group, _, bucket in mt.iter_buckets(self, _init_state):
+        for group, _, bucket in mt.iter_buckets(self, self._init_state):
             beta1, beta2 = group["betas"]
             lr, weight_decay = group["lr"], group["weight_decay"]
             params, grads, exp_avgs = (
@@ -74,6 +81,5 @@ class Lion(mt.FP32StateOptimizer):
             bucket.write_back()
         return loss
 
-
-def _init_state(param: torch.Tensor) -> dict[str, Any]:
-    return {"step": 0, "exp_avg": mt.zeros_state(param)}
+    def _init_state(self, param: torch.Tensor) -> dict[str, Any]:
+        return {"step": 0, "exp_avg": mt.zeros_state(param, self.fp32_optimizer_states)}

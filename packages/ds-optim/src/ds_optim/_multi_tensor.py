@@ -22,6 +22,13 @@ def check_non_negative(owner: str, name: str, value: object) -> float:
     return float(value)
 
 
+def check_flag(owner: str, name: str, value: object) -> bool:
+    """``value`` if it is a bool, or ValueError naming ``owner``'s argument ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {name} must be true or false, got {value!r}")
+    return value
+
+
 def check_betas(owner: str, betas: object) -> tuple[float, float]:
     """``betas`` as a tuple of two floats in [0, 1), or ValueError naming ``owner``."""
     try:
@@ -38,9 +45,11 @@ def state_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
 
 
-def zeros_state(param: torch.Tensor) -> torch.Tensor:
-    """A zero state tensor for ``param`` (see :func:`state_dtype`)."""
-    return torch.zeros_like(param, dtype=state_dtype(param), memory_format=torch.preserve_format)
+def zeros_state(param: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    """A zero state tensor for ``param``: see :func:`state_dtype`, or the param's own dtype
+    when ``fp32`` is False (DeepSpeed's ``fp32_optimizer_states=False``)."""
+    dtype = state_dtype(param) if fp32 else param.dtype
+    return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
 
 @dataclass
@@ -49,19 +58,27 @@ class TensorBucket:
 
     The update math runs on :meth:`work_params` and :meth:`work_grads`: the tensors themselves,
     or fp32 copies for fp16/bf16 params, which :meth:`write_back` rounds into the params once.
+    State kept in fp16/bf16 (``fp32_optimizer_states=False``) is read through fp32 copies too
+    (:meth:`state`), rounded back into the state by :meth:`write_back`.
     """
 
     params: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
     _work: list[torch.Tensor] | None = None
+    _work_states: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def upcast(self) -> bool:
         return self.params[0].dtype in _LOW_PRECISION
 
     def state(self, key: str) -> list[torch.Tensor]:
-        return [s[key] for s in self.states]
+        tensors = [s[key] for s in self.states]
+        if not self.upcast or tensors[0].dtype not in _LOW_PRECISION:
+            return tensors
+        if key not in self._work_states:
+            self._work_states[key] = [t.float() for t in tensors]
+        return self._work_states[key]
 
     def work_params(self) -> list[torch.Tensor]:
         if self._work is None:
@@ -80,6 +97,8 @@ class TensorBucket:
     def write_back(self) -> None:
         if self.upcast and self._work is not None:
             torch._foreach_copy_(self.params, self._work)
+        for key, work in self._work_states.items():
+            torch._foreach_copy_([s[key] for s in self.states], work)
 
 
 def bucket_group(
@@ -143,6 +162,7 @@ class FP32StateOptimizer(torch.optim.Optimizer):
     """
 
     set_grad_none: bool = True
+    fp32_optimizer_states: bool = True
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears grads: to None when ``set_to_none`` (default: ``set_grad_none``), else zeroes."""

@@ -31,6 +31,22 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 # set "adam_w_mode": false to get L2 regularisation.
 _ADAM_EXTRAS = ("torch_adam", "adam_w_mode")
 
+# [Note: Muon is refused]
+# DeepSpeed's "Muon" is MuonWithAuxAdam: every parameter is tagged use_muon (2-D and not an
+# embedding/head: Muon, orthogonalised by Newton-Schulz over the whole matrix; the rest: an
+# auxiliary Adam), with muon_lr/adam_lr/ns_method/... params, and its ZeRO optimizers
+# orthogonalise each whole gradient matrix before partitioning it. ds's ZeRO optimizers (every
+# stage, 0 included) hand the optimizer flat fp32 partitions, where no matrix exists, so neither
+# DeepSpeed's Muon nor torch.optim.Muon (which the torch.optim fallback would otherwise pick and
+# which then fails on the first 1-D tensor) can run. The type is refused by name until the ZeRO
+# layer can step a matrix-wise optimizer; register_optimizer("Muon", ...) still overrides this.
+_NOT_IMPLEMENTED_TYPES = {
+    "muon": (
+        "DeepSpeed's Muon optimizer (Newton-Schulz orthogonalised momentum on whole weight "
+        "matrices, with an auxiliary Adam for the others)"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class _Entry:
@@ -158,6 +174,12 @@ def _lookup(type_name: str) -> _Entry:
     key = type_name.strip().lower()
     if key in _REGISTRY:
         return _REGISTRY[key]
+    if key in _NOT_IMPLEMENTED_TYPES:
+        raise ConfigError(
+            f"optimizer.type = {type_name!r} asks for {_NOT_IMPLEMENTED_TYPES[key]}, which is "
+            "not implemented in ds: ds's ZeRO optimizers step flat partitions, not whole "
+            'matrices; use another type (e.g. "AdamW")'
+        )
     torch_classes = _torch_optimizers()
     if key in torch_classes:
         return _fixed(torch_classes[key].__name__, lambda: torch_classes[key])
