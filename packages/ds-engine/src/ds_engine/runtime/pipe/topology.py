@@ -1,4 +1,5 @@
-"""``deepspeed.runtime.pipe.topology``: rank layouts over named axes (ds-comm)."""
+"""``deepspeed.runtime.pipe.topology``: rank layouts over named axes (ds-comm) and DeepSpeed's
+``PipelineParallelGrid`` over them."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from ds_comm import (
     ProcessGrid,
     ProcessTopology,
 )
+from ds_engine.runtime.pipe._grid import PipelineParallelGrid
 
 __all__ = [
     "PipeDataParallelTopology",
     "PipeModelDataParallelTopology",
+    "PipelineParallelGrid",
     "ProcessGrid",
     "ProcessTopology",
 ]
