@@ -9,7 +9,9 @@ Modes:
     hang       write ``OUT_DIR/ready<R>``, start a grandchild that sleeps, and sleep; on SIGINT or
                SIGTERM write ``OUT_DIR/signal<R>`` and exit 1 (``ignore=<rank>``: that rank
                ignores both instead). ``crash=<rank>:<code>`` makes that rank exit with ``code``
-               once every rank is ready; ``kill=<rank>`` makes it SIGKILL itself instead.
+               once every rank is ready; ``kill=<rank>`` makes it SIGKILL itself instead;
+               ``exit0=<rank>`` makes it exit 0 then. ``finish=<seconds>``: the other ranks
+               exit 0 after that long instead of sleeping.
 """
 
 from __future__ import annotations
@@ -107,7 +109,13 @@ def _hang(out_dir: Path, rank: int, options: dict[str, str], token: str) -> None
         if options.get("kill") == str(rank):
             os.kill(os.getpid(), signal.SIGKILL)
         sys.exit(int(code))
-    time.sleep(600)
+    if options.get("exit0") == str(rank):
+        world = int(os.environ["WORLD_SIZE"])
+        while len(list(out_dir.glob("ready*"))) < world:
+            time.sleep(0.05)
+        print(f"rank {rank} done early", flush=True)
+        sys.exit(0)
+    time.sleep(float(options.get("finish", 600)))
 
 
 def main(argv: list[str]) -> None:

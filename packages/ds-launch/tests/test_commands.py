@@ -133,6 +133,7 @@ def test_pdsh_runs_the_agent_on_every_node(hostfile, tmp_path, monkeypatch):
         "--node_host=%h",
         "--master_addr=w1",
         "--master_port=29500",
+        "--report_events",  # the launcher watches each node (see test_liveness.py)
         "train.py",
         "50%%",
     ]
@@ -141,9 +142,23 @@ def test_pdsh_runs_the_agent_on_every_node(hostfile, tmp_path, monkeypatch):
         "w2": [0, 1, 2, 3],
     }
     assert plan.tool_env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-p 2222"}
-    assert [n.command[-5:] for n in plan.nodes] == [
-        ("--node_rank=0", "--master_addr=w1", "--master_port=29500", "train.py", "50%"),
-        ("--node_rank=1", "--master_addr=w1", "--master_port=29500", "train.py", "50%"),
+    assert [n.command[-6:] for n in plan.nodes] == [
+        (
+            "--node_rank=0",
+            "--master_addr=w1",
+            "--master_port=29500",
+            "--report_events",
+            "train.py",
+            "50%",
+        ),
+        (
+            "--node_rank=1",
+            "--master_addr=w1",
+            "--master_port=29500",
+            "--report_events",
+            "train.py",
+            "50%",
+        ),
     ]
     assert plan.nodes[1].ranks[2].command == (PY, "-u", "train.py", "--local_rank=2", "50%")
 
@@ -160,7 +175,7 @@ def test_ssh_runs_one_client_per_node_with_the_users_options_first(hostfile, tmp
         assert list(argv[1:-1]) == [*options, "-p", "2222", "--", host]
         remote = shlex.split(argv[-1].partition(" && exec ")[2])
         assert f"--node_rank={node_rank}" in remote
-        assert remote[-4:] == ["--no_local_rank", "train.py", "--lr", "0.1"]
+        assert remote[-5:] == ["--no_local_rank", "--report_events", "train.py", "--lr", "0.1"]
     assert [list(n.slots) for n in plan.nodes] == [[0, 1, 2], [0, 1, 2, 3]]
     assert plan.world_size == 7
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 import time
 
 from ds_launch._devices import parse_core_list, rank_core_shares, usable_cores
 from ds_launch._log import Console
+from ds_launch._members import WatchPolicy, event_line
 from ds_launch._nodespec import NodeSpec
 from ds_launch._supervise import ChildSpec, report_failure, supervise
 from ds_launch.api import LaunchError
@@ -102,10 +104,28 @@ def run_node(spec: NodeSpec) -> int:
         variables = " ".join(f"{k}={v}" for k, v in spec.rank_env(local_rank).items())
         console.debug(f"{child.name}: {variables} {shlex.join(child.argv)}")
     pid_file = _write_pid_file(spec.save_pid)
+    watch = WatchPolicy(
+        names=tuple(child.name for child in children), early_exit_grace=spec.early_exit_grace
+    )
     try:
-        outcome = supervise(children, kill_grace=spec.kill_grace, noun="rank", console=console)
+        outcome = supervise(
+            children,
+            kill_grace=spec.kill_grace,
+            noun="rank",
+            console=console,
+            watch=watch,
+            on_started=lambda: _report_event(spec, "up", 0),
+        )
     finally:
         if pid_file is not None:
             os.unlink(pid_file)
     report_failure(outcome, with_tail=True, console=console)
+    _report_event(spec, "exit", outcome.exit_code)
     return outcome.exit_code
+
+
+def _report_event(spec: NodeSpec, kind: str, code: int) -> None:
+    """One line for the launcher watching this node (see [Note: every member is seen])."""
+    if spec.report_events:
+        sys.stderr.write(event_line(kind, spec.node_rank, code) + "\n")
+        sys.stderr.flush()

@@ -37,7 +37,13 @@ def launch(config: LaunchConfig) -> int:
             fd.write(text)
     try:
         noun = "node" if built.plan.launcher == "ssh" else "process"
-        outcome = supervise(built.tools, kill_grace=config.kill_grace, noun=noun, console=console)
+        outcome = supervise(
+            built.tools,
+            kill_grace=config.kill_grace,
+            noun=noun,
+            console=console,
+            watch=built.watch,
+        )
     finally:
         for path in built.plan.files:
             os.unlink(path)

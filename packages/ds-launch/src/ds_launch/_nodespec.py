@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ds_launch._names import bad_host, host_problem
 from ds_launch.api import (
+    DEFAULT_EARLY_EXIT_GRACE_S,
     DEFAULT_KILL_GRACE_S,
     DEFAULT_LOG_LEVEL,
     DEFAULT_MASTER_PORT,
@@ -82,6 +83,9 @@ class NodeSpec:
         log_level: the agent's messages to print (``debug`` ... ``critical``).
         env: variables added to every rank's environment (only for the in-process agent;
             remote agents receive them through their command's ``env`` prefix).
+        early_exit_grace: seconds the node's other ranks may run on after one exited 0 (None:
+            allowed; see [Note: every member is seen]).
+        report_events: write the ``up``/``exit`` lines the pdsh and ssh launchers watch.
     """
 
     resources: dict[str, list[int]]
@@ -102,6 +106,8 @@ class NodeSpec:
     venv_script: str | None = None
     log_level: str = DEFAULT_LOG_LEVEL
     env: dict[str, str] = field(default_factory=dict)
+    early_exit_grace: float | None = DEFAULT_EARLY_EXIT_GRACE_S
+    report_events: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < len(self.resources):
@@ -191,6 +197,12 @@ class NodeSpec:
             argv.append(f"--venv_script={self.venv_script}")
         if self.log_level != DEFAULT_LOG_LEVEL:
             argv.append(f"--log_level={self.log_level}")
+        if self.early_exit_grace is None:
+            argv.append("--allow_early_rank_exit")
+        elif self.early_exit_grace != DEFAULT_EARLY_EXIT_GRACE_S:
+            argv.append(f"--early_exit_grace={self.early_exit_grace}")
+        if self.report_events:
+            argv.append("--report_events")
         return [*argv, self.user_script, *self.user_args]
 
 
@@ -220,6 +232,9 @@ def _agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--venv_script", default=None, help="shell script each rank sources")
     parser.add_argument("--cpu", action="store_true", help="slots are CPU ranks, not GPUs")
     parser.add_argument("--kill_grace", type=float, default=DEFAULT_KILL_GRACE_S)
+    parser.add_argument("--allow_early_rank_exit", action="store_true")
+    parser.add_argument("--early_exit_grace", type=float, default=DEFAULT_EARLY_EXIT_GRACE_S)
+    parser.add_argument("--report_events", action="store_true", help="up/exit lines for ds-launch")
     # DeepSpeed's launch.py names for the user program and its arguments.
     parser.add_argument("training_script")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -274,4 +289,6 @@ def parse_node_argv(argv: Sequence[str]) -> NodeSpec:
         kill_grace=args.kill_grace,
         venv_script=args.venv_script,
         log_level="error" if args.quiet else args.log_level,
+        early_exit_grace=None if args.allow_early_rank_exit else args.early_exit_grace,
+        report_events=args.report_events,
     )

@@ -12,6 +12,7 @@ from ds_launch import _runners
 from ds_launch._devices import visible_gpu_ids
 from ds_launch._exports import collect_exports, env_files, without_launch_vars
 from ds_launch._hostfile import parse_hostfile
+from ds_launch._members import WatchPolicy
 from ds_launch._nodespec import NodeSpec
 from ds_launch._resources import select_resources
 from ds_launch._supervise import ChildSpec
@@ -48,6 +49,7 @@ class Built:
     tools: tuple[ChildSpec, ...]
     hint: str | None
     env_files: tuple[str, ...] = ()
+    watch: WatchPolicy | None = None
 
 
 def _pool(config: LaunchConfig, environ: Mapping[str, str], default_hostfile: str) -> _Pool:
@@ -149,6 +151,8 @@ def _job(config: LaunchConfig, pool: _Pool, pid: int) -> tuple[NodeSpec, str]:
         kill_grace=config.kill_grace,
         venv_script=config.venv_script,
         log_level=config.log_level,
+        early_exit_grace=None if config.allow_early_rank_exit else config.early_exit_grace,
+        report_events=launcher in ("pdsh", "ssh"),
     )
     return spec, launcher
 
@@ -214,13 +218,26 @@ def build(
         **common,
     )
     env = {**without_launch_vars(environ), **tool_env}
-    return Built(plan, None, _tool_children(launcher, commands, env, spec), pool.hint, read)
+    tools = _tool_children(launcher, commands, env, spec)
+    return Built(plan, None, tools, pool.hint, read, _node_watch(config, launcher, spec))
+
+
+def _node_watch(config: LaunchConfig, launcher: str, spec: NodeSpec) -> WatchPolicy | None:
+    """The nodes as the members of a pdsh or ssh launch (see [Note: every member is seen])."""
+    if launcher not in ("pdsh", "ssh"):
+        return None  # MPI and Slurm launchers start and watch their ranks themselves
+    return WatchPolicy(
+        names=tuple(f"node {i} ({host})" for i, host in enumerate(spec.resources)),
+        start_timeout=config.node_start_timeout,
+        early_exit_grace=None if config.allow_early_rank_exit else config.early_exit_grace,
+    )
 
 
 def _tool_children(
     launcher: str, commands: list[list[str]], env: dict[str, str], spec: NodeSpec
 ) -> tuple[ChildSpec, ...]:
     hosts = list(spec.resources)
+    every_node = tuple(range(len(hosts)))
     children = []
     for index, argv in enumerate(commands):
         name = f"node {index} ({hosts[index]})" if launcher == "ssh" else os.path.basename(argv[0])
@@ -233,6 +250,9 @@ def _tool_children(
                 # its ssh processes behind, so it is left to the reaper (see _supervise.py).
                 death_signal=None if launcher == "pdsh" else signal.SIGTERM,
                 failure_line=_runners.pdsh_failure if launcher == "pdsh" else None,
+                # pdsh carries every node, ssh one each; both agents report their events.
+                members=every_node if launcher == "pdsh" else None,
+                events=launcher in ("pdsh", "ssh"),
             )
         )
     return tuple(children)

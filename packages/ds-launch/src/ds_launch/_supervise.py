@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ds_launch._log import Console
+from ds_launch._members import Members, WatchPolicy, parse_event
 from ds_launch.api import LaunchError
 
 PR_SET_PDEATHSIG = 1
@@ -69,6 +70,9 @@ class ChildSpec:
             reaper still kills it and its descendants).
         failure_line: called with each stderr line; a ``(exit code, description)`` result counts
             as a failure of the job (pdsh reports remote exit codes this way).
+        members: the indexes of the members (see [Note: every member is seen]) this child
+            carries: one node for ssh, every node for pdsh; None: the member at its own index.
+        events: its stderr carries node agents' event lines, which are taken out of the output.
     """
 
     name: str
@@ -79,6 +83,8 @@ class ChildSpec:
     cores: Sequence[int] | None = None
     death_signal: int | None = signal.SIGKILL
     failure_line: Callable[[bytes], tuple[int, str] | None] | None = None
+    members: tuple[int, ...] | None = None
+    events: bool = False
 
 
 @dataclass(frozen=True)
@@ -370,9 +376,10 @@ class _Wakeup:
 
 
 class _Child:
-    def __init__(self, spec: ChildSpec, proc: subprocess.Popen) -> None:
+    def __init__(self, spec: ChildSpec, proc: subprocess.Popen, index: int) -> None:
         self.spec = spec
         self.proc = proc
+        self.members = spec.members if spec.members is not None else (index,)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.log = open(spec.log_path, "wb") if spec.log_path else None  # noqa: SIM115
         self.streams: list[_Stream] = []
@@ -393,9 +400,16 @@ class _Job:
     """One supervised run; see ``supervise``."""
 
     def __init__(
-        self, specs: Sequence[ChildSpec], kill_grace: float, noun: str, console: Console
+        self,
+        specs: Sequence[ChildSpec],
+        kill_grace: float,
+        noun: str,
+        console: Console,
+        watch: WatchPolicy | None = None,
     ) -> None:
         self.specs = specs
+        self.watch = watch or WatchPolicy(names=tuple(spec.name for spec in specs))
+        self.members = Members(self.watch, time.monotonic())
         self.console = console
         self.kill_grace = kill_grace
         self.noun = noun
@@ -436,7 +450,7 @@ class _Job:
                     child.proc.wait()
                 raise LaunchError(f"cannot start {spec.name} ({spec.argv[0]}): {exc}") from None
             reaper.watch(proc.pid)
-            child = _Child(spec, proc)
+            child = _Child(spec, proc, len(self.children))
             self.children.append(child)
             self.live.append(child)
             for pipe, write, is_err in (
@@ -448,6 +462,8 @@ class _Job:
                 child.streams.append(stream)
                 self.selector.register(stream.fd, selectors.EVENT_READ, stream)
                 self.open_streams += 1
+        # The clocks of [Note: every member is seen] start once every child runs.
+        self.members = Members(self.watch, time.monotonic())
 
     # -- output -----------------------------------------------------------------------------
 
@@ -464,6 +480,10 @@ class _Job:
         if lines[-1] == b"":
             lines.pop()
         child = stream.child
+        if stream.is_stderr and child.spec.events:
+            lines = [line for line in lines if not self.on_event(line)]
+            if not lines:
+                return
         prefix = child.spec.prefix
         stream.write(b"".join(prefix + line + b"\n" for line in lines))
         if child.log is not None:
@@ -475,6 +495,20 @@ class _Job:
                 found = child.spec.failure_line(line)
                 if found is not None and found[0] != 0:
                     self.on_failure(child, found[0], found[1])
+
+    def on_event(self, line: bytes) -> bool:
+        """Take a node agent's event line (see [Note: every member is seen]); False if not one."""
+        event = parse_event(line)
+        if event is None:
+            return False
+        kind, index, code = event
+        if kind == "up":
+            self.members.mark_up(index)
+            if 0 <= index < len(self.watch.names):
+                self.notice("debug", f"{self.watch.names[index]} started its ranks")
+        else:
+            self.members.mark_ended(index, code, time.monotonic())
+        return True
 
     def read(self, stream: _Stream) -> int:
         """Read once: the byte count, 0 at end of file (the stream is closed), -1 if empty."""
@@ -516,12 +550,15 @@ class _Job:
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.kill_grace
 
-    def on_failure(self, child: _Child, code: int, what: str) -> None:
+    def on_failure(self, child: _Child | None, code: int, what: str) -> None:
         if self.failure is not None or self.signal is not None:
             return  # a consequence of stopping the job, not a cause
-        self.failure = ChildFailure(
-            what, child.proc.pid, code, tuple(child.tail), child.spec.prefix.decode()
-        )
+        if child is None:  # the job as a whole (see [Note: every member is seen])
+            self.failure = ChildFailure(what, 0, code, (), "")
+        else:
+            self.failure = ChildFailure(
+                what, child.proc.pid, code, tuple(child.tail), child.spec.prefix.decode()
+            )
         others = [c for c in self.live if c is not child]
         if others:
             count = f"{len(others)} other {self.noun}{'s' if len(others) > 1 else ''}"
@@ -544,6 +581,8 @@ class _Job:
                 continue
             self.live.remove(child)
             self.drain(child)
+            for member in child.members:
+                self.members.mark_ended(member, shell_code(returncode), time.monotonic())
             if returncode != 0:
                 what = f"{child.spec.name} (pid {child.proc.pid}) {describe_code(returncode)}"
                 self.on_failure(child, shell_code(returncode), what)
@@ -563,7 +602,7 @@ class _Job:
                 elif now >= drain_until:
                     break
             timeout = 0.05 if wakeup.fd is None else None
-            for deadline in (self.kill_at, drain_until):
+            for deadline in (self.kill_at, drain_until, self.members.deadline()):
                 if deadline is not None:
                     left = max(0.0, deadline - now)
                     timeout = left if timeout is None else min(timeout, left)
@@ -575,6 +614,8 @@ class _Job:
             for sig in wakeup.take():
                 self.on_signal(sig)
             self.reap()
+            if (what := self.members.check(time.monotonic())) is not None:
+                self.on_failure(None, 1, what)
             if self.kill_at is not None and time.monotonic() >= self.kill_at:
                 self.signal_all(signal.SIGKILL)
                 self.kill_at = None
@@ -619,12 +660,19 @@ def report_failure(outcome: Outcome, *, with_tail: bool, console: Console) -> No
 
 
 def supervise(
-    specs: Sequence[ChildSpec], *, kill_grace: float, noun: str, console: Console
+    specs: Sequence[ChildSpec],
+    *,
+    kill_grace: float,
+    noun: str,
+    console: Console,
+    watch: WatchPolicy | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> Outcome:
     """Start every child, forward their output, and wait until all have ended.
 
-    The first child to exit non-zero (or flagged by its ``failure_line``) fails the job: the
-    others get SIGTERM, then SIGKILL after ``kill_grace`` seconds. SIGINT, SIGTERM and SIGHUP
+    The first child to exit non-zero (or flagged by its ``failure_line``), or a failure of the
+    ``watch`` checks (a member that never started, one that exited 0 long before the others),
+    fails the job: the others get SIGTERM, then SIGKILL after ``kill_grace`` seconds. SIGINT, SIGTERM and SIGHUP
     received meanwhile are passed on to every child the same way; a second one kills at once.
 
     Args:
@@ -632,6 +680,9 @@ def supervise(
         kill_grace: seconds between SIGTERM (or the forwarded signal) and SIGKILL.
         noun: what a child is, for messages (``rank``, ``node``).
         console: where the supervisor's own messages go, and at which level.
+        watch: the start-up and early-exit checks of [Note: every member is seen] (None: the
+            children are the members, and a clean exit is never a failure).
+        on_started: called once every child has started (a node agent reports ``up`` there).
 
     Returns:
         The outcome: exit code 0 when every child exited 0, the first failure's code, or
@@ -640,10 +691,12 @@ def supervise(
     Raises:
         LaunchError: a child could not be started (those already started are killed first).
     """
-    job = _Job(specs, kill_grace, noun, console)
+    job = _Job(specs, kill_grace, noun, console, watch)
     with _Reaper() as reaper, _Wakeup() as wakeup:
         try:
             job.start(reaper)
+            if on_started is not None:
+                on_started()
             job.loop(wakeup)
         finally:
             job.signal_all(signal.SIGKILL)

@@ -29,6 +29,10 @@ __all__ = [
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_KILL_GRACE_S = 5.0
+# Every node's agent must report within this many seconds (see [Note: every member is seen]).
+DEFAULT_NODE_START_TIMEOUT_S = 180.0
+# How long the other ranks may run on after one exited 0 before the job fails.
+DEFAULT_EARLY_EXIT_GRACE_S = 30.0
 # "local" runs every rank on this machine; the others start one job across the hostfile's nodes.
 LAUNCHERS = ("local", "pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 # Runners that start ranks through ds-launch's node agent (so per-rank options work there).
@@ -99,6 +103,11 @@ class LaunchConfig:
             ``error`` or ``critical`` (DeepSpeed's levels; ``-q`` is ``error``).
         dry_run: print the plan as JSON and run nothing.
         kill_grace: seconds between SIGTERM and SIGKILL when stopping ranks (ds-launch only).
+        node_start_timeout: seconds for every node's agent to start its ranks (pdsh and ssh);
+            a node still silent then fails the job, named (ds-launch only).
+        allow_early_rank_exit: a rank (or node) that exits 0 while the others run is normal;
+            without it the job fails when they still run ``early_exit_grace`` seconds later.
+        early_exit_grace: seconds the other ranks may run on after one exited 0.
     """
 
     user_script: str
@@ -127,6 +136,9 @@ class LaunchConfig:
     log_level: str = DEFAULT_LOG_LEVEL
     dry_run: bool = False
     kill_grace: float = DEFAULT_KILL_GRACE_S
+    node_start_timeout: float = DEFAULT_NODE_START_TIMEOUT_S
+    allow_early_rank_exit: bool = False
+    early_exit_grace: float = DEFAULT_EARLY_EXIT_GRACE_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "user_args", tuple(self.user_args))
@@ -160,6 +172,12 @@ class LaunchConfig:
         _port("--ssh_port", self.ssh_port)
         if self.kill_grace < 0:
             raise LaunchError(f"--kill_grace {self.kill_grace}: must be >= 0 seconds")
+        if not self.node_start_timeout > 0:
+            raise LaunchError(
+                f"--node_start_timeout {self.node_start_timeout}: must be > 0 seconds"
+            )
+        if not self.early_exit_grace >= 0:
+            raise LaunchError(f"--early_exit_grace {self.early_exit_grace}: must be >= 0 seconds")
         if self.bind_core_list is not None:
             if not self.bind_cores_to_rank:
                 raise LaunchError(

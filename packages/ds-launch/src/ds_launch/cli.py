@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ds_launch.api import (
+    DEFAULT_EARLY_EXIT_GRACE_S,
     DEFAULT_HOSTFILE,
     DEFAULT_KILL_GRACE_S,
     DEFAULT_LOG_LEVEL,
     DEFAULT_MASTER_PORT,
+    DEFAULT_NODE_START_TIMEOUT_S,
     LAUNCHERS,
     LOG_LEVELS,
     LaunchConfig,
@@ -97,6 +99,15 @@ _FLAGS: dict[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...]] = {
             "/tmp/<ds-launch pid>.deepspeed"}),
         (("--kill_grace",), {"type": float, "default": DEFAULT_KILL_GRACE_S, "help": "seconds "
             "between SIGTERM and SIGKILL when stopping ranks (ds-launch only)"}),
+        (("--node_start_timeout",), {"type": float, "default": DEFAULT_NODE_START_TIMEOUT_S,
+            "metavar": "SECONDS", "help": "pdsh/ssh: fail, naming them, when nodes have not "
+            f"started their ranks after this long (default {DEFAULT_NODE_START_TIMEOUT_S:g})"}),
+        (("--allow_early_rank_exit",), {"action": "store_true", "help": "a rank that exits 0 "
+            "while others run is normal (default: the job fails when they still run "
+            "--early_exit_grace seconds later)"}),
+        (("--early_exit_grace",), {"type": float, "default": DEFAULT_EARLY_EXIT_GRACE_S,
+            "metavar": "SECONDS", "help": "how long the other ranks may run on after one "
+            f"exited 0 (default {DEFAULT_EARLY_EXIT_GRACE_S:g})"}),
         (("--dry_run",), {"action": "store_true", "help": "print each node's command and the "
             "resource map as JSON; run nothing"}),
     ),
@@ -167,6 +178,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         log_level="error" if args.quiet else args.log_level,
         dry_run=args.dry_run,
         kill_grace=args.kill_grace,
+        node_start_timeout=args.node_start_timeout,
+        allow_early_rank_exit=args.allow_early_rank_exit,
+        early_exit_grace=args.early_exit_grace,
     )
 
 
