@@ -13,7 +13,13 @@ from ds_zero._checkpoint import (
     save_sharded_checkpoint,
     verify_checkpoint,
 )
-from ds_zero._consolidate import consolidate, iter_fp32_tensors
+from ds_zero._consolidate import (
+    LazyFp32Tensor,
+    consolidate,
+    iter_fp32_tensors,
+    lazy_fp32_state_dict,
+    write_recovery_script,
+)
 from ds_zero._factory import build_zero_optimizer
 from ds_zero._init import (
     GatheredParameters,
@@ -117,6 +123,9 @@ __all__ = [
     "ShardLookup",
     "consolidate",
     "iter_fp32_tensors",
+    "lazy_fp32_state_dict",
+    "LazyFp32Tensor",
+    "write_recovery_script",
     "export_safetensors",
     # memory
     "MemoryBreakdown",

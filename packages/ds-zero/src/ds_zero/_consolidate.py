@@ -9,13 +9,22 @@ dict plus one tensor's pieces in the page cache, not every shard file. Tied para
 as aliases in the manifest) share one tensor in the output, as in the model. When the checkpoint
 directory is a ds-engine checkpoint (``<tag>/zero`` next to ``mp_rank_00_model_states.pt``),
 the module's buffers and frozen parameters, which no optimizer holds, are taken from that file,
-as DeepSpeed's script does.
+as DeepSpeed's script does; the file's ``frozen_param_shapes`` names the frozen ones, which
+``exclude_frozen_parameters`` leaves out.
+
+[Note: the recovery script]
+Every ZeRO checkpoint folder gets a ``zero_to_fp32.py`` next to ``latest``, as DeepSpeed copies
+its script there: ``_recovery_script.py`` verbatim, which imports only ``torch`` (and
+``safetensors`` for ``--safe_serialization``), so a checkpoint's weights can be recovered where
+ds is not installed. It reads the same layout as :func:`consolidate`; the tests run it in a
+subprocess whose ``sys.path`` holds no ds package.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,14 +35,19 @@ from ds_zero._checkpoint import verify_checkpoint
 from ds_zero._manifest import MANIFEST, CheckpointError, ShardReader, dtype_of
 
 __all__ = [
+    "RECOVERY_SCRIPT",
+    "LazyFp32Tensor",
     "checkpoint_tensors",
     "consolidate",
     "iter_fp32_tensors",
+    "lazy_fp32_state_dict",
     "main",
     "resolve_checkpoint_dir",
+    "write_recovery_script",
 ]
 
 _LATEST = "latest"
+RECOVERY_SCRIPT = "zero_to_fp32.py"
 
 
 def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> Path:
@@ -54,8 +68,8 @@ def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], tag: str | No
     )
 
 
-def _engine_module_state(source: Path) -> Mapping[str, torch.Tensor]:
-    """The ds-engine module state saved next to the zero directory (mapped, not read), if any."""
+def _engine_model_file(source: Path) -> Mapping[str, Any]:
+    """The ds-engine model file saved next to the zero directory (mapped, not read), if any."""
     if not source.name.startswith("zero"):
         return {}
     mp = source.name.removeprefix("zero_mp") if source.name != "zero" else "00"
@@ -63,12 +77,28 @@ def _engine_module_state(source: Path) -> Mapping[str, torch.Tensor]:
     if not path.is_file():
         return {}
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    module = state.get("module", {}) if isinstance(state, Mapping) else {}
-    return {k: v for k, v in module.items() if torch.is_tensor(v)}
+    return state if isinstance(state, Mapping) else {}
+
+
+def _engine_module_state(
+    source: Path, exclude_frozen: bool = False
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The module tensors of the model file next to ``source``, and the names of the frozen
+    parameters to leave out (none unless ``exclude_frozen``)."""
+    saved = _engine_model_file(source)
+    module = {k: v for k, v in saved.get("module", {}).items() if torch.is_tensor(v)}
+    if exclude_frozen and module and "buffer_names" not in saved:
+        raise CheckpointError(
+            f"{str(source.parent)!r} does not record which of its module tensors are buffers "
+            "(written before ds kept frozen_param_shapes), so frozen parameters cannot be left "
+            "out; consolidate without exclude_frozen_parameters"
+        )
+    frozen = set(saved.get("frozen_param_shapes", {})) if exclude_frozen else set()
+    return {k: v for k, v in module.items() if k not in frozen}, frozen
 
 
 def checkpoint_tensors(
-    source: Path, manifest: Mapping[str, Any]
+    source: Path, manifest: Mapping[str, Any], *, exclude_frozen: bool = False
 ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[tuple[str, torch.Tensor]]]:
     """What a verified checkpoint holds, and an iterator assembling it one fp32 tensor at a time
     (see [Note: streaming consolidation]).
@@ -77,18 +107,24 @@ def checkpoint_tensors(
         ``[(name, shape, saved dtype)]`` in model order (aliases left out), and an iterator of
         ``(name, fp32 tensor)`` in the same order.
     """
-    extras = {k: v for k, v in _engine_module_state(source).items() if k not in manifest["tensors"]}
+    extras, frozen = _engine_module_state(source, exclude_frozen)
+    extras = {k: v for k, v in extras.items() if k not in manifest["tensors"]}
     extras = {k: v for k, v in extras.items() if k not in manifest.get("aliases", {})}
+    names = [name for name in manifest["tensors"] if name not in frozen]
     entries = [
-        (name, tuple(int(s) for s in entry["shape"]), dtype_of(entry))
-        for name, entry in manifest["tensors"].items()
+        (
+            name,
+            tuple(int(s) for s in manifest["tensors"][name]["shape"]),
+            dtype_of(manifest["tensors"][name]),
+        )
+        for name in names
     ]
     entries += [(name, tuple(t.shape), t.dtype) for name, t in extras.items()]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         reader = ShardReader(source, manifest)
         try:
-            for name in manifest["tensors"]:
+            for name in names:
                 yield name, reader.tensor(name)
         finally:
             reader.close()
@@ -129,6 +165,7 @@ def consolidate(
     *,
     tag: str | None = None,
     progress: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One fp32 state dict from a sharded checkpoint of any stage and world size, for plain
     ``nn.Module.load_state_dict`` (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``).
@@ -142,6 +179,8 @@ def consolidate(
         output_file: also ``torch.save`` the state dict there (atomically).
         tag: the engine checkpoint tag (default: the ``latest`` file's).
         progress: show a tqdm progress bar.
+        exclude_frozen_parameters: leave out the frozen parameters the engine's model file
+            holds (its ``frozen_param_shapes``), keeping the buffers.
 
     Returns:
         Parameter (and, for engine checkpoints, buffer) name -> fp32 tensor.
@@ -153,25 +192,107 @@ def consolidate(
 
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
     manifest = verify_checkpoint(source)
-    entries, tensors = checkpoint_tensors(source, manifest)
+    entries, tensors = checkpoint_tensors(
+        source, manifest, exclude_frozen=exclude_frozen_parameters
+    )
     state: dict[str, torch.Tensor] = {}
     for name, value in tqdm(
         tensors, total=len(entries), desc="consolidating", unit="tensor", disable=not progress
     ):
         state[name] = value
     for alias, name in manifest.get("aliases", {}).items():
-        state[alias] = state[name]
+        if name in state:
+            state[alias] = state[name]
     if output_file is not None:
         _save_atomic(state, Path(output_file))
     return state
 
 
+class LazyFp32Tensor:
+    """One tensor of a checkpoint, assembled only when asked (DeepSpeed's lazy ``GatheredTensor``).
+
+    Attributes:
+        shape: the tensor's shape.
+        dtype: ``torch.float32`` for floating tensors (what :meth:`contiguous` returns), else the
+            saved dtype.
+    """
+
+    def __init__(self, reader: ShardReader | None, name: str, shape: tuple[int, ...], value: Any):
+        self._reader, self._name, self._value = reader, name, value
+        self.shape = torch.Size(shape)
+        saved = value.dtype if value is not None else torch.float32
+        self.dtype = torch.float32 if saved.is_floating_point else saved
+
+    def contiguous(self) -> torch.Tensor:
+        """The tensor, read now (a new CPU tensor each call)."""
+        if self._value is not None:
+            return self._value.to(self.dtype, copy=True)
+        assert self._reader is not None
+        return self._reader.tensor(self._name).contiguous()
+
+    def numel(self) -> int:
+        """Elements in the tensor."""
+        return self.shape.numel()
+
+    def __repr__(self) -> str:
+        return f"LazyFp32Tensor({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def lazy_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> dict[str, LazyFp32Tensor]:
+    """Name -> :class:`LazyFp32Tensor` of a verified checkpoint: nothing is read until a
+    tensor's ``contiguous()`` (DeepSpeed's ``lazy_mode``). Tied names share one object.
+
+    Example:
+        >>> lazy = ds_zero.lazy_fp32_state_dict("ckpts")
+        >>> lazy["tok.weight"].contiguous()
+    """
+    source = resolve_checkpoint_dir(checkpoint_dir, tag)
+    manifest = verify_checkpoint(source)
+    reader = ShardReader(source, manifest)
+    extras, frozen = _engine_module_state(source, exclude_frozen_parameters)
+    state: dict[str, LazyFp32Tensor] = {}
+    for name, entry in manifest["tensors"].items():
+        if name not in frozen:
+            shape = tuple(int(s) for s in entry["shape"])
+            state[name] = LazyFp32Tensor(reader, name, shape, None)
+    for name, value in extras.items():
+        if name not in state and name not in manifest.get("aliases", {}):
+            state[name] = LazyFp32Tensor(None, name, tuple(value.shape), value)
+    for alias, name in manifest.get("aliases", {}).items():
+        if name in state:
+            state[alias] = state[name]
+    return state
+
+
+def write_recovery_script(directory: str | os.PathLike[str]) -> Path:
+    """Write ``zero_to_fp32.py`` (see [Note: the recovery script]) into ``directory``
+    atomically, executable; returns its path.
+
+    Example:
+        >>> ds_zero.write_recovery_script("ckpts")  # then: python ckpts/zero_to_fp32.py ckpts out
+    """
+    target = Path(directory) / RECOVERY_SCRIPT
+    temp = target.with_name(f".{RECOVERY_SCRIPT}.tmp")
+    shutil.copyfile(Path(__file__).with_name("_recovery_script.py"), temp)
+    temp.chmod(0o755)
+    os.replace(temp, target)
+    return target
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``ds-zero-to-fp32 CHECKPOINT_DIR OUTPUT_FILE [--tag T] [--safe_serialization]``."""
+    """``ds-zero-to-fp32 CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization]
+    [--max_shard_size 5GB] [--exclude_frozen_parameters]``: DeepSpeed's ``zero_to_fp32.py``
+    flags. Without ``--safe_serialization`` OUTPUT is a file (one ``torch.save`` state dict)."""
     parser = argparse.ArgumentParser(
         prog="ds-zero-to-fp32",
         description="Turn a ds-zero sharded checkpoint into one fp32 state dict "
         "(DeepSpeed's zero_to_fp32.py).",
+        allow_abbrev=False,
     )
     parser.add_argument("checkpoint_dir", help="the checkpoint (or engine save_dir / tag) folder")
     parser.add_argument(
@@ -186,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)"
     )
+    parser.add_argument(
+        "--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.safe_serialization:
@@ -198,7 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             dtype=torch.float32,
             progress=not args.quiet,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
         )
     else:
-        consolidate(args.checkpoint_dir, args.output_file, tag=args.tag, progress=not args.quiet)
+        consolidate(
+            args.checkpoint_dir,
+            args.output_file,
+            tag=args.tag,
+            progress=not args.quiet,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+        )
     return 0

@@ -24,7 +24,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,20 +221,35 @@ def _gathered(named: Sequence[tuple[str, Any]]) -> Iterator[tuple[str, torch.Ten
             p.ds_partitioner.release([p])
 
 
+def _mapping_entries(
+    source: Mapping[str, Any], cast: Any
+) -> tuple[list[_Entry], Iterator[tuple[str, torch.Tensor]]]:
+    """Entries and values of a name -> tensor (or lazy tensor) mapping, a tied value once."""
+    first: dict[int, str] = {}
+    for name, value in source.items():
+        first.setdefault(id(value), name)
+    names = [n for n, v in source.items() if first[id(v)] == n]
+    entries = [_Entry(n, tuple(source[n].shape), cast(source[n].dtype)) for n in names]
+    return entries, ((n, source[n].contiguous()) for n in names)
+
+
 def export_safetensors(
-    source: str | os.PathLike[str] | torch.nn.Module | Any,
+    source: str | os.PathLike[str] | Mapping[str, Any] | torch.nn.Module | Any,
     out_dir: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> list[Path]:
     """Write ``source``'s weights as Hugging Face style safetensors files, one tensor at a time
     (see [Note: safetensors writer]).
 
     Args:
-        source: a sharded checkpoint directory (or ds-engine ``save_dir``/tag directory), or a
-            live model (a module, or an optimizer with ``.module``). A live stage 3 model is
+        source: a sharded checkpoint directory (or ds-engine ``save_dir``/tag directory), a
+            name -> tensor mapping (values may be lazy: anything with ``shape``, ``dtype`` and
+            ``contiguous()``, read one at a time), or a live model (a module, or an optimizer
+            with ``.module``). A live stage 3 model is
             gathered one parameter at a time and every rank of its group must call this; rank 0
             writes.
         out_dir: the folder for ``model.safetensors`` or ``model-0000i-of-0000N.safetensors``
@@ -242,6 +257,8 @@ def export_safetensors(
         max_shard_size: largest file (``"5GB"``, ``"500MiB"`` or bytes).
         dtype: cast every floating-point tensor to it (None: each tensor's model dtype).
         progress: show a tqdm progress bar.
+        exclude_frozen_parameters: leave out frozen parameters (a checkpoint: those its
+            model file lists; a live model: ``requires_grad=False``).
 
     Returns:
         The files written (on every rank).
@@ -254,12 +271,17 @@ def export_safetensors(
     def cast(d: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and d.is_floating_point else d
 
+    if isinstance(source, Mapping):
+        entries, values = _mapping_entries(source, cast)
+        return _write_all(out, entries, values, max_bytes, writer=True, progress=progress)
     if isinstance(source, (str, os.PathLike)):
         from ds_zero._checkpoint import verify_checkpoint
         from ds_zero._consolidate import checkpoint_tensors, resolve_checkpoint_dir
 
         directory = resolve_checkpoint_dir(source)
-        listed, values = checkpoint_tensors(directory, verify_checkpoint(directory))
+        listed, values = checkpoint_tensors(
+            directory, verify_checkpoint(directory), exclude_frozen=exclude_frozen_parameters
+        )
         entries = [_Entry(n, shape, cast(d)) for n, shape, d in listed]
         return _write_all(out, entries, values, max_bytes, writer=True, progress=progress)
     module = source if isinstance(source, torch.nn.Module) else getattr(source, "module", None)
@@ -269,6 +291,9 @@ def export_safetensors(
             "optimizer with a .module"
         )
     named = _live_tensors(module)
+    if exclude_frozen_parameters:
+        frozen = {id(p) for p in module.parameters() if not p.requires_grad}
+        named = [(n, p) for n, p in named if id(p) not in frozen]
     entries = [
         _Entry(n, tuple(p.ds_shape) if is_partitioned(p) else tuple(p.shape), cast(p.dtype))
         for n, p in named

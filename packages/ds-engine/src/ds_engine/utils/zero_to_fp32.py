@@ -1,23 +1,24 @@
 """``deepspeed.utils.zero_to_fp32``: one fp32 state dict from a ZeRO checkpoint, over ds-zero's
-consolidation (``ds_zero.consolidate``, ``export_safetensors``), and DeepSpeed's script:
-``python -m ds_engine.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG]
-[--safe_serialization] [--max_shard_size 5GB]``.
+consolidation (``ds_zero.consolidate``, ``lazy_fp32_state_dict``, ``export_safetensors``), and
+DeepSpeed's script: ``python -m ds_engine.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR
+[-t TAG] [--safe_serialization] [--max_shard_size 5GB] [--exclude_frozen_parameters]``.
 
 These read checkpoints written by ds (``engine.save_checkpoint`` or
-``ds_zero.save_sharded_checkpoint``) of any stage and world size. Checkpoints written by
-DeepSpeed itself (``*_optim_states.pt`` of its own layout) are not read yet, nor are the
-DeepSpeed-layout helpers that parse them (``get_optim_files``, ``get_model_state_file``,
-``parse_optim_states``), which Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` uses.
+``ds_zero.save_sharded_checkpoint``) of any stage and world size. ``get_model_state_file``,
+``get_optim_files`` and ``get_model_state_files`` find DeepSpeed's file names as DeepSpeed's do
+(Lightning calls them).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,23 +30,81 @@ __all__ = [
     "convert_zero_checkpoint_to_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "to_torch_tensor",
+    # DeepSpeed's file helpers (Lightning imports them)
+    "get_checkpoint_files",
+    "get_model_state_file",
+    "get_model_state_files",
+    "get_optim_files",
+    "natural_keys",
 ]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
-def _refuse(exclude_frozen_parameters: bool, lazy_mode: bool = False) -> None:
-    if exclude_frozen_parameters:
-        raise NotImplementedError(
-            "exclude_frozen_parameters=True is not implemented in ds: the consolidated state "
-            "dict holds frozen parameters too; drop their names from it afterwards"
-        )
-    if lazy_mode:
-        raise NotImplementedError(
-            "lazy_mode=True is not implemented in ds; stream the tensors one at a time with "
-            "ds_zero.iter_fp32_tensors(checkpoint_dir, tag=tag) instead"
-        )
+def natural_keys(text: str) -> list[Any]:
+    """Sort key putting ``rank_2`` before ``rank_10``."""
+    return [int(c) if c.isdigit() else c for c in re.split(r"(\d+)", text)]
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike[str], glob_pattern: str) -> list[str]:
+    """The files of ``checkpoint_dir`` matching ``glob_pattern``, in natural order; a
+    ``FileNotFoundError`` naming the pattern and folder when there are none."""
+    found = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=natural_keys)
+    if not found:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """DeepSpeed's ``*_optim_states.pt`` files of a tag folder. ds's own ZeRO checkpoints keep
+    the optimizer in ``zero/`` instead, so for them this raises ``FileNotFoundError``."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """The ``*_model_states.pt`` files of a tag folder."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
+
+
+def get_model_state_file(checkpoint_dir: str | os.PathLike[str], zero_stage: int) -> str:
+    """The model-states file of a tag folder: ``mp_rank_00_model_states.pt`` (stages 0-2, and
+    every ds checkpoint) or DeepSpeed's stage 3 ``zero_pp_rank_0_mp_rank_00_model_states.pt``."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    names = ["mp_rank_00_model_states.pt"]
+    if zero_stage == 3:
+        names.insert(0, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for name in names:
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(
+        f"can't find model states file at '{os.path.join(checkpoint_dir, names[0])}'"
+    )
+
+
+def to_torch_tensor(
+    state_dict: Mapping[str, Any], return_empty_tensor: bool = False, dtype: Any = None
+) -> dict[str, torch.Tensor]:
+    """Materialise a lazy state dict (``lazy_mode=True``): every value's ``contiguous()``, or
+    with ``return_empty_tensor`` an empty tensor of its shape (for planning shards); floating
+    tensors cast to ``dtype`` when given. Tied names stay one tensor."""
+    target = _output_dtype(dtype) if dtype is not None else None
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, str] = {}
+    for name, value in state_dict.items():
+        if id(value) in done:
+            out[name] = out[done[id(value)]]
+            continue
+        done[id(value)] = name
+        cast = target if target is not None and value.dtype.is_floating_point else value.dtype
+        if return_empty_tensor:
+            out[name] = torch.empty(value.shape, dtype=cast)
+        else:
+            out[name] = value.contiguous().to(cast)
+    return out
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
@@ -53,21 +112,31 @@ def get_fp32_state_dict_from_zero_checkpoint(
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
     lazy_mode: bool = False,
-) -> dict[str, torch.Tensor]:
-    """The fp32 state dict (on CPU) of a ds ZeRO checkpoint, for ``model.load_state_dict``.
+) -> dict[str, Any]:
+    """The fp32 state dict (on CPU) of a ZeRO checkpoint, for ``model.load_state_dict``.
 
     Args:
         checkpoint_dir: the engine's ``save_dir`` (holding ``latest``) or a tag directory.
         tag: the checkpoint tag (default: the one ``latest`` names).
-        exclude_frozen_parameters: not implemented (refused).
-        lazy_mode: not implemented (refused; see ``ds_zero.iter_fp32_tensors``).
+        exclude_frozen_parameters: leave out parameters saved with ``requires_grad=False``
+            (buffers stay).
+        lazy_mode: return name -> a lazy tensor whose ``contiguous()`` reads it (nothing is read
+            before); :func:`to_torch_tensor` materialises such a dict.
 
     Example:
         >>> state = get_fp32_state_dict_from_zero_checkpoint("ckpts")
         >>> model.cpu().load_state_dict(state)
     """
-    _refuse(exclude_frozen_parameters, lazy_mode)
-    return ds_zero.consolidate(checkpoint_dir, tag=tag, progress=False)
+    if lazy_mode:
+        return ds_zero.lazy_fp32_state_dict(
+            checkpoint_dir, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters
+        )
+    return ds_zero.consolidate(
+        checkpoint_dir,
+        tag=tag,
+        progress=False,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
 
 
 def _bytes(size: int | str) -> int:
@@ -84,13 +153,16 @@ def _bytes(size: int | str) -> int:
     return value
 
 
-def _shards(state: dict[str, torch.Tensor], limit: int | None) -> list[list[str]]:
+def _shards(state: Mapping[str, torch.Tensor], limit: int | None) -> list[list[str]]:
+    """Greedy file plan in model order, as ``huggingface_hub``'s split (a tensor larger than
+    ``limit`` gets a file of its own; a tied tensor counts once)."""
     if limit is None:
         return [list(state)]
     files: list[list[str]] = [[]]
-    used = 0
+    used, seen = 0, set()
     for name, value in state.items():
-        size = value.numel() * value.element_size()
+        size = 0 if id(value) in seen else value.numel() * value.element_size()
+        seen.add(id(value))
         if files[-1] and used + size > limit:
             files.append([])
             used = 0
@@ -130,7 +202,7 @@ def convert_zero_checkpoint_to_state_dict(
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
 ) -> None:
-    """Write a ds ZeRO checkpoint as weight files in ``output_dir``, floating tensors cast to
+    """Write a ZeRO checkpoint as weight files in ``output_dir``, floating tensors cast to
     ``dtype`` (float32, float16 or bfloat16; other tensors keep theirs), named as DeepSpeed and
     transformers name them: ``pytorch_model.bin`` (or ``pytorch_model-0000i-of-0000N.bin`` plus
     ``pytorch_model.bin.index.json`` above ``max_shard_size``), or with ``safe_serialization``
@@ -139,32 +211,33 @@ def convert_zero_checkpoint_to_state_dict(
     Example:
         >>> convert_zero_checkpoint_to_state_dict("ckpts", "export", dtype="bf16")
     """
-    _refuse(exclude_frozen_parameters)
     dtype = _output_dtype(dtype)
     out = Path(output_dir)
+    lazy = get_fp32_state_dict_from_zero_checkpoint(
+        checkpoint_dir, tag, exclude_frozen_parameters, lazy_mode=True
+    )
     if safe_serialization:
-        source = Path(checkpoint_dir) / tag if tag else Path(checkpoint_dir)
         limit: int | str = max_shard_size if max_shard_size is not None else 2**62
-        ds_zero.export_safetensors(source, out, max_shard_size=limit, dtype=dtype, progress=False)
+        ds_zero.export_safetensors(lazy, out, max_shard_size=limit, dtype=dtype, progress=False)
         return
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
-    cast: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
-    for name, value in state.items():
-        if value.is_floating_point():
-            state[name] = cast.setdefault(id(value), value.to(dtype))
-    files = _shards(state, _bytes(max_shard_size) if max_shard_size is not None else None)
+    planned = to_torch_tensor(lazy, return_empty_tensor=True, dtype=dtype)
+    files = _shards(planned, _bytes(max_shard_size) if max_shard_size is not None else None)
     out.mkdir(parents=True, exist_ok=True)
-    if len(files) == 1:
-        torch.save(state, out / "pytorch_model.bin")
-        return
-    weight_map = {}
-    for i, names in enumerate(files, 1):
-        name = f"pytorch_model-{i:05d}-of-{len(files):05d}.bin"
-        torch.save({n: state[n] for n in names}, out / name)
-        weight_map.update(dict.fromkeys(names, name))
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    names = ["pytorch_model.bin"] if len(files) == 1 else []
+    names = names or [
+        f"pytorch_model-{i:05d}-of-{len(files):05d}.bin" for i in range(1, len(files) + 1)
+    ]
+    for stale in (*out.glob("pytorch_model-*-of-*.bin"), out / "pytorch_model.bin.index.json"):
+        stale.unlink(missing_ok=True)
+    for name, keys in zip(names, files):  # one file's tensors in memory at a time
+        torch.save(to_torch_tensor({k: lazy[k] for k in keys}, dtype=dtype), out / name)
+    if len(files) > 1:
+        unique = {id(v): v for v in planned.values()}.values()
+        total = sum(v.numel() * v.element_size() for v in unique)
+        weight_map = {k: name for name, keys in zip(names, files) for k in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (out / "pytorch_model.bin.index.json").write_text(text)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -221,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: latest)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     parser.add_argument(
-        "--exclude_frozen_parameters", action="store_true", help="not implemented in ds"
+        "--exclude_frozen_parameters", action="store_true", help="exclude frozen parameters"
     )
     parser.add_argument("-d", "--debug", action="store_true", help="accepted; prints nothing more")
     args = parser.parse_args(argv)
