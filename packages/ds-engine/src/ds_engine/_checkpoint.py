@@ -33,6 +33,7 @@ import torch
 
 import ds_comm
 from ds_engine import __version__
+from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_checkpoint
 from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import (
     GatheredParameters,
@@ -42,7 +43,6 @@ from ds_zero import (
     load_sharded_checkpoint,
     replace_dir,
     save_sharded_checkpoint,
-    write_recovery_script,
 )
 from ds_zero import save_fsynced as _write  # module-level name: the crash test patches it
 
@@ -154,17 +154,9 @@ def _module_state(engine: DeepSpeedEngine, exclude_frozen: bool) -> dict[str, An
 
 def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], exclude_frozen: bool):
     loader = engine.training_dataloader
-    module = engine.module
     return {
         "module": _module_state(engine, exclude_frozen),
-        "zero_shard_keys": sorted(_partitioned_keys(module)),
-        # DeepSpeed's keys: what zero_to_fp32's exclude_frozen_parameters leaves out.
-        "buffer_names": [n for n, _ in module.named_buffers()],
-        "frozen_param_shapes": {
-            n: tuple(getattr(p, "ds_shape", p.shape))
-            for n, p in module.named_parameters()
-            if not p.requires_grad
-        },
+        "zero_shard_keys": sorted(_partitioned_keys(engine.module)),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -247,8 +239,6 @@ def save_checkpoint(
             save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
         elif optimizer is not None and engine.dp_rank == 0:
             _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
-    if rank == 0 and isinstance(engine.optimizer, _ZERO):
-        write_recovery_script(save_dir)  # as DeepSpeed copies zero_to_fp32.py there
     return Path(save_dir) / tag
 
 
@@ -356,7 +346,19 @@ def load_checkpoint(
     module_only: bool,
     custom_load_fn: Callable[..., Any] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Load a checkpoint written by :func:`save_checkpoint` (weights only, never code)."""
+    """Load a checkpoint written by :func:`save_checkpoint` (weights only, never code), or one
+    DeepSpeed wrote (see ``ds_engine._deepspeed_ckpt``)."""
+    ds_path = deepspeed_tag_dir(load_dir, tag)
+    if ds_path is not None:
+        return load_deepspeed_checkpoint(
+            engine,
+            ds_path,
+            strict=strict,
+            optimizer_states=optimizer_states,
+            lr_scheduler_states=lr_scheduler_states,
+            module_only=module_only,
+            custom_load_fn=custom_load_fn,
+        )
     path = resolve_checkpoint(load_dir, tag)
     if path is None:
         engine.progress.write(f"no 'latest' file in {load_dir}: nothing to load")

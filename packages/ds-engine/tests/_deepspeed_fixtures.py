@@ -1,0 +1,85 @@
+"""The model, data and loop of ``tools/compat/make_deepspeed_checkpoints.py``, for ds.
+
+The fixtures under ``fixtures/deepspeed_0.19.8`` were written by real DeepSpeed with that
+script; these helpers rebuild the same model and batches so ds can resume them and compare its
+losses with the ones DeepSpeed recorded in ``expected.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_0.19.8"
+DSREF_PYTHON = Path("/tmp/dsref/bin/python")
+GENERATOR = Path(__file__).parents[3] / "tools" / "compat" / "make_deepspeed_checkpoints.py"
+IN, HIDDEN, MID, OUT, GLOBAL_BATCH = 8, 15, 16, 4, 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def expected() -> dict[str, Any]:
+    return json.loads((FIXTURES / "expected.json").read_text())
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, MID)
+        self.fc3 = torch.nn.Linear(MID, OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        return ((self.fc3(h).float() - y.float()) ** 2).mean()
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=g)
+    y = torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def config_for(case: dict[str, Any], world: int, stage: int | None = None) -> dict[str, Any]:
+    """The case's DeepSpeed config for ``world`` ranks (and another ZeRO stage if given)."""
+    cfg = json.loads(json.dumps(case["config"]))
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // world
+    if stage is not None:
+        cfg["zero_optimization"]["stage"] = stage
+    return cfg
+
+
+def build_engine(cfg: dict[str, Any], seed: int = 99):
+    import ds_engine as deepspeed
+
+    torch.manual_seed(seed)  # not the fixture's init: the checkpoint must overwrite it
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def train(engine, first: int, count: int, rank: int, world: int, dtype: str) -> list[float]:
+    """``count`` steps from global step ``first``; each loss averaged over the global batch."""
+    import ds_comm
+
+    losses = []
+    for step in range(first, first + count):
+        x, y = batch(step, rank, world)
+        loss = engine(x.to(DTYPES[dtype]), y)
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().clone()
+        ds_comm.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def copy_case(name: str, dest: Path) -> Path:
+    shutil.copytree(FIXTURES / name, dest / name)
+    return dest / name

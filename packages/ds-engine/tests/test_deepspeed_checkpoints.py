@@ -1,0 +1,240 @@
+"""Checkpoints real DeepSpeed 0.19.8 wrote (``fixtures/deepspeed_0.19.8``, made by
+``tools/compat/make_deepspeed_checkpoints.py``) resume in ds on 1 and 2 ranks, and crafted
+pickles in every file position are refused without running code.
+
+[Note: DeepSpeed resume tolerance]
+After loading, ds trains the next three steps and its losses (each averaged over the global
+batch) must equal the ones DeepSpeed recorded when it resumed the same checkpoint, within
+``TOLERANCE`` (absolute): fp32 1e-6 (measured <= 1.2e-7, the rounding of a different reduction
+order across world sizes); bf16 1e-3 (measured <= 1.1e-4); fp16 5e-3 at stages 1-3 (measured
+1.9e-3) and 2e-2 at stage 0 (measured 1.3e-2: DeepSpeed's stage-0 fp16 optimizer itself moves
+9e-3 away from its stages 1-3 on the same data, and ds follows the stage 1-3 arithmetic).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _deepspeed_fixtures as fx
+
+TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 5e-3}
+FP16_STAGE0_TOLERANCE = 2e-2
+
+
+def _tolerance(dtype: str, stage: int) -> float:
+    return FP16_STAGE0_TOLERANCE if (dtype, stage) == ("fp16", 0) else TOLERANCE[dtype]
+
+
+def _resume_body(rank: int, world: int, name: str, stage: int | None) -> dict:
+    case = fx.expected()["cases"][name]
+    engine = fx.build_engine(fx.config_for(case, world, stage))
+    path, client = engine.load_checkpoint(str(fx.FIXTURES / name))
+    result = {
+        "path": path,
+        "client": {k: client.get(k) for k in ("epoch", "note", "ids")},
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "lr": engine.get_lr()[0],
+    }
+    result["losses"] = fx.train(engine, 3, 3, rank, world, case["dtype"])
+    return result
+
+
+# Default tier: every stage, each dtype, both directions (1 -> 2 and 2 -> 1) among them.
+_QUICK = [
+    ("zero0_fp32_w1", 2),
+    ("zero0_bf16_w2", 1),
+    ("zero0_fp16_w2", 2),
+    ("zero1_fp32_w2", 1),
+    ("zero1_bf16_w1", 2),
+    ("zero1_fp16_w2", 1),
+    ("zero2_fp32_w1", 2),
+    ("zero2_bf16_w2", 1),
+    ("zero2_fp16_w2", 2),
+    ("zero3_fp32_w2", 1),
+    ("zero3_bf16_w1", 2),
+    ("zero3_fp16_w2", 1),
+]
+_ALL = [
+    (name, world)
+    for name in sorted(fx.expected()["cases"])
+    if name.startswith("zero")
+    for world in (1, 2)
+]
+_SLOW = [c for c in _ALL if c not in _QUICK]
+
+
+def _check_resume(name: str, world: int, stage: int | None = None) -> None:
+    case = fx.expected()["cases"][name]
+    result = run_on_ranks(_resume_body, world, name, stage, timeout=180)[0]
+    reference = case["resumed_losses"]
+    diff = max(abs(a - b) for a, b in zip(result["losses"], reference))
+    tolerance = _tolerance(case["dtype"], case["stage"])
+    assert diff <= tolerance, (name, world, result["losses"], reference, diff)
+    assert result["client"] == fx.expected()["client_state"]
+    assert result["global_steps"] == case["global_steps_after_resume"] - 3  # as saved
+    assert result["global_samples"] == 3 * fx.GLOBAL_BATCH
+    assert result["skipped_steps"] == 0
+    assert result["path"].endswith("step3")
+
+
+@pytest.mark.parametrize(("name", "world"), _QUICK, ids=[f"{n}-to-w{w}" for n, w in _QUICK])
+def test_deepspeed_checkpoint_resumes_its_loss_trajectory(name: str, world: int) -> None:
+    _check_resume(name, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "world"), _SLOW, ids=[f"{n}-to-w{w}" for n, w in _SLOW])
+def test_deepspeed_checkpoint_resumes_every_case(name: str, world: int) -> None:
+    _check_resume(name, world)
+
+
+@pytest.mark.parametrize(("name", "stage"), [("zero3_fp32_w2", 1), ("zero1_fp32_w1", 3)])
+def test_deepspeed_checkpoint_loads_at_another_stage(name: str, stage: int) -> None:
+    """Stage is configuration: a stage-3 checkpoint resumes at stage 1 and back, on 2 ranks."""
+    _check_resume(name, 2, stage)
+
+
+def test_reader_reassembles_partitions_into_whole_parameters() -> None:
+    """The fp32 masters read from 1- and 2-rank checkpoints of every stage agree (padding
+    and partitioning undone), and equal the fp32 model weights DeepSpeed saved."""
+    from ds_engine._deepspeed_ckpt import read_checkpoint
+
+    names = [n for n, _ in fx.Net().named_parameters()]
+    whole = read_checkpoint(fx.FIXTURES / "zero0_fp32_w1" / "step3", names)
+    for name in ("zero1_fp32_w2", "zero2_fp32_w2", "zero3_fp32_w2", "zero3_fp32_w1"):
+        state = read_checkpoint(fx.FIXTURES / name / "step3", names)
+        assert state.world_size == int(name[-1])
+        assert sorted(state.fp32) == sorted(names)
+        for key in names:
+            torch.testing.assert_close(state.fp32[key], whole.fp32[key], rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                state.module[key].float().reshape(-1), whole.fp32[key], rtol=0, atol=1e-6
+            )
+            assert sorted(state.moments[key]) == ["exp_avg", "exp_avg_sq"]
+        assert float(state.groups[0]["step"]) == 3.0
+        assert state.engine["lr_scheduler"] == {"last_batch_iteration": 2}
+
+
+def test_fp16_loss_scaler_state_is_restored() -> None:
+    from ds_engine._deepspeed_ckpt import read_checkpoint
+
+    names = [n for n, _ in fx.Net().named_parameters()]
+    for name in ("zero0_fp16_w2", "zero2_fp16_w2", "zero3_fp16_w2"):
+        scaler = read_checkpoint(fx.FIXTURES / name / "step3", names).loss_scaler
+        assert scaler["cur_scale"] == 512.0 and scaler["dynamic"] is True, (name, scaler)
+
+
+# --- safety -------------------------------------------------------------------------------------
+
+
+class _Evil:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _EvalEvil(_Evil):
+    def __reduce__(self):
+        return (eval, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+_POSITIONS = [
+    ("zero2_fp32_w2", "mp_rank_00_model_states.pt"),
+    ("zero2_fp32_w2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ("zero1_bf16_w2", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ("zero3_fp32_w2", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ("zero3_fp32_w2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ("zero0_fp16_w2", "mp_rank_00_model_states.pt"),
+    ("pipe_w2", "layer_02-model_states.pt"),
+    ("pipe_w2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ("moe_w2", "layer_0_expert_1_mp_rank_00_model_states.pt"),
+    ("moe_w2", "expp_rank_0_mp_rank_00_optim_states.pt"),
+]
+
+
+@pytest.mark.parametrize("evil", [_Evil, _EvalEvil])
+@pytest.mark.parametrize(("case", "file"), _POSITIONS)
+def test_crafted_pickle_is_refused_without_running_code(
+    case: str, file: str, evil: type, tmp_path: Path
+) -> None:
+    from ds_engine._deepspeed_ckpt import DeepSpeedCheckpointError, load_file, read_checkpoint
+
+    root = fx.copy_case(case, tmp_path)
+    target = root / "step3" / file
+    marker = tmp_path / "marker"
+    torch.save({"module": evil(marker), "optimizer_state_dict": {}}, target)
+    names = [n for n, _ in fx.Net().named_parameters()]
+    with pytest.raises(DeepSpeedCheckpointError) as info:
+        read_checkpoint(root / "step3", names)
+    assert "step3" in str(info.value)
+    with pytest.raises(DeepSpeedCheckpointError, match=file.replace(".", r"\.")):
+        load_file(target)  # the file itself, wherever it sits
+    assert not marker.exists()
+
+
+def _engine_load_body(rank: int, world: int, root: str) -> str:
+    engine = fx.build_engine(fx.config_for(fx.expected()["cases"]["zero2_fp32_w2"], world))
+    try:
+        engine.load_checkpoint(root)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_engine_refuses_a_crafted_pickle_naming_the_file(tmp_path: Path) -> None:
+    root = fx.copy_case("zero2_fp32_w2", tmp_path)
+    marker = tmp_path / "marker"
+    torch.save({"x": _Evil(marker)}, root / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    (root / "zero_to_fp32.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    message = run_on_ranks(_engine_load_body, 1, str(root))[0]
+    assert "DeepSpeedCheckpointError" in message
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in message
+    assert not marker.exists()
+
+
+def test_latest_is_text_and_cannot_leave_the_directory(tmp_path: Path) -> None:
+    from ds_engine._deepspeed_ckpt import DeepSpeedCheckpointError, deepspeed_tag_dir
+
+    outside = fx.copy_case("zero1_fp32_w1", tmp_path)
+    load_dir = tmp_path / "run"
+    load_dir.mkdir()
+    (load_dir / "latest").write_text("../zero1_fp32_w1/step3")
+    with pytest.raises(DeepSpeedCheckpointError, match="no path separators"):
+        deepspeed_tag_dir(load_dir, None)
+    marker = tmp_path / "marker"
+    (outside / "latest").write_bytes(
+        __import__("pickle").dumps(_Evil(marker))  # pickle bytes in 'latest': just a bad tag
+    )
+    assert deepspeed_tag_dir(outside, None) is None
+    assert not marker.exists()
+    assert deepspeed_tag_dir(outside, "step3") == outside / "step3"
+
+
+def test_missing_or_inconsistent_files_are_named(tmp_path: Path) -> None:
+    from ds_engine._deepspeed_ckpt import DeepSpeedCheckpointError, read_checkpoint
+
+    names = [n for n, _ in fx.Net().named_parameters()]
+    root = fx.copy_case("zero2_fp32_w2", tmp_path)
+    (root / "step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(DeepSpeedCheckpointError, match=r"dp_world_size 2.*1 ZeRO optimizer"):
+        read_checkpoint(root / "step3", names)
+    root = fx.copy_case("zero3_fp32_w2", tmp_path / "b")
+    (root / "step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"truncated")
+    with pytest.raises(DeepSpeedCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states"):
+        read_checkpoint(root / "step3", names)
+    with pytest.raises(DeepSpeedCheckpointError, match="pipeline-layer or MoE expert"):
+        read_checkpoint(fx.FIXTURES / "pipe_w2" / "step3", names)
