@@ -3,11 +3,11 @@ recent collectives, and two gloo ranks ending on a collective of a temporary exi
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -15,49 +15,71 @@ from ds_comm import _exit
 from ds_comm._instrument import TRACKER, CallRecord
 
 
+class _Clock:
+    """A stand-in for ``_exit``'s ``time``: a fixed ``perf_counter`` and a ``sleep`` that records
+    what it was asked for, so the tests check what the hook decides, not how long it took."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+
+
 @pytest.fixture
-def clean_tracker():
+def clock(monkeypatch):
     saved = TRACKER.last_end, TRACKER.last
     TRACKER.last = None  # no call begun, unless a test says so
-    yield
+    fake = _Clock(now=1000.0)
+    monkeypatch.setattr(_exit, "time", fake)
+    yield fake
     TRACKER.last_end, TRACKER.last = saved
 
 
-def test_sleeps_out_the_grace_after_a_recent_collective(clean_tracker) -> None:
-    TRACKER.last_end = time.perf_counter()
-    start = time.perf_counter()
-    slept = _exit.settle_workers(0.2)
-    elapsed = time.perf_counter() - start
-    assert 0.1 < slept <= 0.2
-    assert elapsed >= slept * 0.9
+def test_sleeps_out_the_grace_after_a_recent_collective(clock) -> None:
+    TRACKER.last_end = clock.now - 0.05
+    assert _exit.settle_workers(0.2) == pytest.approx(0.15)
+    assert clock.sleeps == [pytest.approx(0.15)]
 
 
-def test_costs_nothing_long_after_the_last_collective(clean_tracker) -> None:
-    TRACKER.last_end = time.perf_counter() - 5.0
-    start = time.perf_counter()
+def test_costs_nothing_long_after_the_last_collective(clock) -> None:
+    TRACKER.last_end = clock.now - 5.0
     assert _exit.settle_workers(0.2) == 0.0
-    assert time.perf_counter() - start < 0.05
+    assert clock.sleeps == []
 
 
-def test_a_call_never_waited_counts_from_its_start(clean_tracker) -> None:
+def test_a_call_never_waited_counts_from_its_start(clock) -> None:
     TRACKER.last_end = float("-inf")  # nothing has completed
     rec = CallRecord("all_reduce", 1, (0,), ((4,),), None, "site.py:1", 16, "native", True)
-    TRACKER.last = rec  # begun (its start is now), never waited
-    assert 0.1 < _exit.settle_workers(0.2) <= 0.2
+    rec.start = clock.now - 0.1
+    TRACKER.last = rec  # begun, never waited
+    assert _exit.settle_workers(0.2) == pytest.approx(0.1)
     rec.start -= 5.0
     assert _exit.settle_workers(0.2) == 0.0
+    assert clock.sleeps == [pytest.approx(0.1)]
 
 
 def test_importing_ds_comm_registers_the_hook() -> None:
+    # Run the interpreter's exit functions with a recording clock: the hook asks for the grace.
     code = (
-        "import atexit, time, ds_comm\n"
+        "import atexit, ds_comm\n"
+        "from ds_comm import _exit\n"
         "from ds_comm._instrument import TRACKER\n"
-        "TRACKER.last_end = start = time.perf_counter()  # as if a collective just ended\n"
+        "asked = []\n"
+        "class Clock:\n"
+        "    perf_counter = staticmethod(lambda: 1000.0)\n"
+        "    sleep = staticmethod(asked.append)\n"
+        "_exit.time = Clock\n"
+        "TRACKER.last_end = 1000.0  # as if a collective just ended\n"
         "atexit._run_exitfuncs()\n"
-        "print(time.perf_counter() - start)\n"
+        "print(asked)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert float(proc.stdout) >= _exit.EXIT_GRACE_S * 0.9
+    assert ast.literal_eval(proc.stdout.strip()) == [pytest.approx(_exit.EXIT_GRACE_S)]
 
 
 _ENDS_ON_A_TEMPORARY = textwrap.dedent(
