@@ -322,6 +322,10 @@ class Init(contextlib.ContextDecorator):
     """Partition the parameters of modules built inside the context, as they are built
     (DeepSpeed's ``deepspeed.zero.Init``; see [Note: partitioning at construction]).
 
+    Without a default process group, an enabled ``Init`` creates one from the launcher's
+    environment (``ds_comm.init_distributed()``; world size 1 when run alone), as DeepSpeed's
+    does: scripts build the model under ``Init`` before ``deepspeed.initialize``.
+
     Args:
         module: an already built module to partition now (the context is then not needed).
         data_parallel_group: the group the parameters are partitioned over (None: the default
@@ -366,6 +370,11 @@ class Init(contextlib.ContextDecorator):
         self.partitioner: ParamPartitioner | None = None
         if not enabled:
             return
+        if not dist.is_initialized():
+            # As DeepSpeed's Init: scripts build the model under Init before
+            # deepspeed.initialize, so the process group may not exist yet; create it from the
+            # launcher's environment (world size 1 when run alone).
+            ds_comm.init_distributed()
         zero, config_dtype = _read_config(
             config_dict_or_path if config_dict_or_path is not None else config
         )
