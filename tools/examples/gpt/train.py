@@ -101,7 +101,9 @@ class CountingLanguage(torch.utils.data.Dataset):
         return self.tokens[index]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The example's flags and DeepSpeed's (``--deepspeed_config``); ``argv`` None: the command
+    line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps to train")
     parser.add_argument("--vocab", type=int, default=64)
@@ -111,11 +113,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
     parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> list[float]:
+    """Train as the flags say; returns every micro-batch's loss (rank 0 also prints a summary)."""
+    args = parse_args(argv)
     torch.manual_seed(0)  # the same initial weights on every rank (ds-zero broadcasts anyway)
     stage = json.loads(Path(args.deepspeed_config).read_text())["zero_optimization"]["stage"]
     # ZeRO stage 3 partitions each layer's weights as it is built: no rank holds the whole model.
@@ -142,6 +145,7 @@ def main() -> None:
             f"rank 0 of {int(os.environ.get('WORLD_SIZE', 1))}: loss {first:.3f} -> {last:.3f} "
             f"(uniform guess: {math.log(args.vocab):.3f}) in {engine.global_steps} steps"
         )
+    return losses
 
 
 if __name__ == "__main__":
