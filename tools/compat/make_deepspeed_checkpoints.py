@@ -1,5 +1,9 @@
 """Write checkpoints with real DeepSpeed, for ds's cross-loading tests.
 
+``... make_deepspeed_checkpoints.py resume <save_dir> --world W --stage S --dtype D`` instead
+makes DeepSpeed resume a checkpoint (one ds wrote, in the round-trip tests) and print its next
+losses as ``RESULT {json}``.
+
 Run it with the interpreter that has DeepSpeed installed (CPU, gloo; no GPU needed)::
 
     DS_ACCELERATOR=cpu /tmp/dsref/bin/python tools/compat/make_deepspeed_checkpoints.py \
@@ -300,7 +304,73 @@ def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue)
         queue.put(results)
 
 
+def _resume_worker(rank: int, world: int, args: dict, port: int, queue) -> None:
+    """Resume ``args["load"]`` in DeepSpeed and train ``args["steps"]`` steps."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = config(args["stage"], args["dtype"], world)
+    torch.manual_seed(99)
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    _, client = engine.load_checkpoint(args["load"], tag=None)
+    first = engine.global_steps
+    losses = _steps(engine, first, args["steps"], rank, world, args["dtype"])
+    if rank == 0:
+        queue.put(
+            {
+                "first_step": first,
+                "losses": losses,
+                "client_state": {k: v for k, v in (client or {}).items() if k in CLIENT_STATE},
+                "lr": engine.get_lr()[0],
+            }
+        )
+
+
+def resume(load: str, world: int, stage: int, dtype: str, steps: int) -> dict:
+    """DeepSpeed resumes the checkpoint ``load`` on ``world`` ranks: its next losses."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    args = {"load": load, "stage": stage, "dtype": dtype, "steps": steps}
+    port = 29700 + os.getpid() % 200
+    procs = [
+        ctx.Process(target=_resume_worker, args=(r, world, args, port, queue)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    return result
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "resume":
+        parser = argparse.ArgumentParser(description="DeepSpeed resumes a checkpoint")
+        parser.add_argument("load")
+        parser.add_argument("--world", type=int, required=True)
+        parser.add_argument("--stage", type=int, required=True)
+        parser.add_argument("--dtype", default="fp32", choices=DTYPES)
+        parser.add_argument("--steps", type=int, default=2)
+        args = parser.parse_args(sys.argv[2:])
+        result = resume(args.load, args.world, args.stage, args.dtype, args.steps)
+        print("RESULT " + json.dumps(result))
+        return
+    generate()
+
+
+def generate() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", default=None, help="only cases whose name contains this")

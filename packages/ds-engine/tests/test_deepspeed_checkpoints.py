@@ -238,3 +238,61 @@ def test_missing_or_inconsistent_files_are_named(tmp_path: Path) -> None:
         read_checkpoint(root / "step3", names)
     with pytest.raises(DeepSpeedCheckpointError, match="pipeline-layer or MoE expert"):
         read_checkpoint(fx.FIXTURES / "pipe_w2" / "step3", names)
+
+
+# --- DeepSpeed -> ds -> DeepSpeed ---------------------------------------------------------------
+
+_needs_deepspeed = pytest.mark.skipif(
+    not fx.DSREF_PYTHON.exists(), reason=f"real DeepSpeed is not installed at {fx.DSREF_PYTHON}"
+)
+
+
+def _ds_leg_body(rank: int, world: int, name: str, out: str, target_world: int) -> list[float]:
+    from ds_engine.deepspeed_checkpoint import save_deepspeed_checkpoint
+
+    case = fx.expected()["cases"][name]
+    engine = fx.build_engine(fx.config_for(case, world))
+    engine.load_checkpoint(str(fx.FIXTURES / name))
+    losses = fx.train(engine, 3, 1, rank, world, case["dtype"])
+    save_deepspeed_checkpoint(
+        engine, out, client_state={"epoch": 8, "note": "from ds"}, world_size=target_world
+    )
+    return losses
+
+
+def _deepspeed_resume(load: Path, world: int, stage: int, dtype: str) -> dict:
+    import json
+    import subprocess
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
+    command = [str(fx.DSREF_PYTHON), str(fx.GENERATOR), "resume", str(load)]
+    command += ["--world", str(world), "--stage", str(stage), "--dtype", dtype]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+_ROUND_TRIPS = [(f"zero{s}_{d}_w{w}", 3 - w) for s in (1, 2, 3) for d in ("fp32",) for w in (1, 2)]
+_ROUND_TRIPS += [("zero2_bf16_w2", 1), ("zero3_fp16_w2", 1)]
+
+
+@_needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "ds_world"), _ROUND_TRIPS, ids=[f"{n}-ds_w{w}" for n, w in _ROUND_TRIPS]
+)
+def test_round_trip_deepspeed_ds_deepspeed(name: str, ds_world: int, tmp_path: Path) -> None:
+    """DeepSpeed (w ranks) -> ds (3 - w ranks, one step) -> DeepSpeed (w ranks, two steps):
+    all three steps continue DeepSpeed's own trajectory (see [Note: DeepSpeed resume
+    tolerance])."""
+    case = fx.expected()["cases"][name]
+    out = tmp_path / "for_deepspeed"
+    ds_losses = run_on_ranks(_ds_leg_body, ds_world, name, str(out), case["world_size"])[0]
+    result = _deepspeed_resume(out, case["world_size"], case["stage"], case["dtype"])
+    assert result["first_step"] == 4
+    assert result["client_state"] == {"epoch": 8, "note": "from ds"}
+    tolerance = _tolerance(case["dtype"], case["stage"])
+    losses = ds_losses + result["losses"]
+    diff = max(abs(a - b) for a, b in zip(losses, case["resumed_losses"]))
+    assert diff <= tolerance, (losses, case["resumed_losses"], diff)

@@ -10,6 +10,7 @@ from ds_engine._deepspeed_ckpt._read import (
     is_deepspeed_checkpoint,
     read_checkpoint,
 )
+from ds_engine._deepspeed_ckpt._write import DEEPSPEED_VERSION, save_deepspeed_checkpoint
 
 __all__ = [
     # reading
@@ -20,4 +21,7 @@ __all__ = [
     "load_file",
     "DeepSpeedState",
     "DeepSpeedCheckpointError",
+    # writing
+    "save_deepspeed_checkpoint",
+    "DEEPSPEED_VERSION",
 ]
