@@ -19,7 +19,7 @@ from ds_kernels._scaled_add import scaled_add, scaled_add_reference
 from ds_kernels._triton import triton_available
 from ds_kernels.api import Backend
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # kernels, each with its torch reference

@@ -18,7 +18,7 @@ from ds_native._stream import (
 )
 from ds_native.api import AdamSimd, Backend, BuildInfo, NativeFallbackWarning, SimdLevel
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # kernels, each with its torch reference

@@ -102,7 +102,7 @@ from ds_comm.api import (
     ReduceOp,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # setup

@@ -1,5 +1,5 @@
 """``deepspeed.pipe``: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``, the topologies and
-the pipeline engine (ds-pipe and ds-comm; ``pip install ds-engine[pipe]``).
+the pipeline engine (ds-pipe and ds-comm, both dependencies of ds-engine).
 
 The same objects as ``deepspeed.runtime.pipe``: ``PipelineEngine`` (loaded on first use) is the
 class of what ``initialize()`` returns for a ``PipelineModule``.

@@ -19,7 +19,7 @@ from ds_launch.api import (
     RankPlan,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # launching

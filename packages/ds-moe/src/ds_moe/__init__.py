@@ -33,7 +33,7 @@ from ds_moe._params import (
 )
 from ds_moe.api import ExpertGroup, GateConfig, MoSConfig, NoisyGatePolicy, Routing
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # layers

@@ -25,7 +25,7 @@ from ds_offload_aio.api import (
     GdsUnavailableError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # handles

@@ -49,7 +49,7 @@ from ds_optim.api import BF16Config, FP16Config, LossScaleAtMinimumError
 # isort: split
 from ds_optim._step import GradientStep, StepResult
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # optimizers: adam

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ds_testing.api import DistributedTestFailure, gpu_count, run_on_ranks
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # running a body on N ranks

@@ -1,4 +1,4 @@
-"""``deepspeed.moe``: mixture of experts from ds-moe (``pip install ds-engine[moe]``);
+"""``deepspeed.moe``: mixture of experts from ds-moe (a dependency of ds-engine);
 submodules ``layer``, ``utils``, ``sharded_moe`` and ``experts`` load on first use."""
 
 from __future__ import annotations

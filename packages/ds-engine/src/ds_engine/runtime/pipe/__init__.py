@@ -1,5 +1,5 @@
-"""``deepspeed.runtime.pipe``: pipeline parallelism from ds-pipe (``pip install
-ds-engine[pipe]``); submodules ``module``, ``topology``, and (loaded on first use) ``engine``
+"""``deepspeed.runtime.pipe``: pipeline parallelism from ds-pipe (a dependency of
+ds-engine); submodules ``module``, ``topology``, and (loaded on first use) ``engine``
 and ``schedule``."""
 
 from __future__ import annotations
