@@ -104,6 +104,11 @@ class GradientStep(Protocol):
         """Override the boundary (pipeline schedules, ``no_sync``); None: count."""
         ...
 
+    @property
+    def boundary_override(self) -> bool | None:
+        """The value set by :meth:`set_gradient_accumulation_boundary` (None: counting)."""
+        ...
+
     def reduce_gradients(self) -> None:
         """Reduce what backward left local (the step does it anyway when due)."""
         ...
@@ -126,4 +131,8 @@ class GradientStep(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
+        ...
+
+    def memory_breakdown(self) -> Any:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
         ...
