@@ -8,6 +8,7 @@ dependency a package forgot to declare fails here, as it would for a user who in
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -42,14 +43,18 @@ nox.options.sessions = [
     *(f"test-{name}" for name in DISTRIBUTIONS),
     "integration",
     "clients",
+    # The wheelhouse, then each member installed alone from it with plain pip (README: Release).
+    "build",
+    "pip-install",
 ]
 
 
 def _sync(session: nox.Session, *args: str) -> None:
     """``uv sync`` from the lock file into this session's venv.
 
-    Workspace members are always rebuilt: their version stays 0.1.0 while their sources change,
-    and uv would otherwise reuse a cached wheel of older sources.
+    Workspace members are always rebuilt: a member's version changes only when it is released
+    (CHANGELOG.md), its sources change between releases, and uv would otherwise reuse a cached
+    wheel of older sources under the same version.
     """
     rebuild = [f"--reinstall-package={name}" for name in DISTRIBUTIONS]
     session.run_install(
@@ -127,3 +132,34 @@ def bench(session: nox.Session) -> None:
     scripts = session.posargs or sorted(path.stem for path in Path("tools/bench").glob("*.py"))
     for script in scripts:
         session.run("python", f"tools/bench/{script}.py")
+
+
+@nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of every member into dist/ (each wheel built from its sdist).
+
+    ds-native and ds-offload-aio build platform wheels with their C extensions (libaio-dev from
+    the system deps); tools/release/check_wheels.py fails a native wheel built without them.
+    """
+    _system_deps(session)
+    shutil.rmtree("dist", ignore_errors=True)
+    session.run("uv", "build", "--all-packages", "--out-dir", "dist", external=True)
+    session.run("python", "tools/release/check_wheels.py", "dist", external=True)
+
+
+@nox.session(name="pip-install", venv_backend="none")
+def pip_install(session: nox.Session) -> None:
+    """Each member alone from dist/ with plain pip in a fresh venv: only its declared dependencies,
+    its public API imports, its console scripts run (tools/release/pip_install_check.py).
+
+    Needs ``nox -s build`` first; ``-- NAME ...`` checks some members, ``-- --fresh`` installs
+    torch in every venv instead of once (the script's [Note: the torch layer]).
+    """
+    session.run("python", "tools/release/pip_install_check.py", *session.posargs, external=True)
+
+
+@nox.session(name="release-check", venv_backend="none")
+def release_check(session: nox.Session) -> None:
+    """Slow tier: plain pip installs ds-engine (torch included) from dist/ into a fresh venv, and
+    the README's main job (the example GPT, ZeRO-2, 2 local ranks) runs on it. After ``build``."""
+    session.run("python", "tools/release/main_job_check.py", external=True)

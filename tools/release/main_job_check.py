@@ -1,0 +1,63 @@
+"""A new user's path, end to end: plain pip installs ds-engine from the wheelhouse, then the
+README's main job runs with what it installed.
+
+In a fresh ``python -m venv`` (no shared torch layer: pip installs torch itself),
+``pip install --find-links dist ds-engine`` gets the whole runtime (the checks of
+``pip_install_check.py`` apply), then that venv's ``ds-launch`` trains the example GPT with ZeRO
+stage 2 on 2 local CPU ranks, exactly as the README's main job does, and the loss must fall.
+
+Run from the repository root after ``nox -s build``: ``python tools/release/main_job_check.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pip_install_check import Checker
+
+JOB = [
+    "--num_gpus",
+    "2",
+    "tools/examples/gpt/train.py",
+    "--deepspeed_config",
+    "tools/examples/gpt/configs/zero2.json",
+]
+
+
+def main() -> int:
+    checker = Checker(Path("dist"), Path("build/main-job"), fresh=True)
+    if problems := checker.check("ds-engine"):
+        print(f"ds-engine does not install alone: {problems}", file=sys.stderr)
+        return 1
+    bin_dir = Path("build/main-job/ds-engine/bin").resolve()
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    print(f"$ ds-launch {' '.join(JOB)}", flush=True)
+    proc = subprocess.run(
+        [bin_dir / "ds-launch", *JOB], env=env, capture_output=True, text=True, timeout=900
+    )
+    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", flush=True)
+    match = re.search(r"rank 0 of 2: loss ([\d.]+) -> ([\d.]+)", proc.stdout)
+    if proc.returncode != 0 or match is None:
+        print(f"the main job failed (exit {proc.returncode})", file=sys.stderr)
+        return 1
+    first, last = float(match.group(1)), float(match.group(2))
+    if not last < first:
+        print(f"the loss did not fall: {first} -> {last}", file=sys.stderr)
+        return 1
+    print(f"main job on the pip-installed ds-engine: loss {first} -> {last}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

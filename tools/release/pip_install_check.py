@@ -1,0 +1,258 @@
+"""Install each member ALONE from the wheelhouse with plain pip, and check what it brought.
+
+For every wheel in ``dist/`` (or the names given), in a fresh ``python -m venv`` with the pip it
+ships (never uv): ``pip install --find-links dist NAME`` (full dependency resolution, no
+``--no-deps``), then
+
+- ``pip check`` passes;
+- everything installed is reachable from NAME through its declared ``Requires-Dist`` (nothing
+  more, nothing missing; the venv's own pip and setuptools aside);
+- each top-level package imports, and every name in its ``__all__`` resolves;
+- each console script runs ``--help`` with exit status 0;
+- the dependency tree pip resolved is printed and written to ``<work>/<name>.tree.txt``.
+
+[Note: the torch layer]
+torch is the one heavy dependency (hundreds of MB per venv even as a CPU build; PyPI's Linux
+default is a CUDA build of several GB). By default pip installs it ONCE, with the same command and
+constraints, into a base venv, and each member venv whose declared closure contains torch sees
+that venv's site-packages through a ``.pth`` file, so pip resolves ``torch>=2.4`` against it
+instead of unpacking it again. The base holds torch and its own dependencies only, all of which
+are in the closure of any member that needs torch, so the closure check loses nothing; a member
+that does not need torch (ds-launch) gets no layer and must come out torch-free. ``--fresh``
+skips the layer: every venv installs torch itself (what ``nox -s release-check`` does for
+ds-engine).
+
+torch's build: when pip's find-links (``PIP_FIND_LINKS`` or pip's config) holds a CPU wheel of
+torch for this interpreter, torch is pinned to it with a constraints file; ``DS_PIP_TORCH`` overrides
+that (``DS_PIP_TORCH=torch==2.6.0+cpu``; empty: no pin, the index decides).
+
+Run from the repository root: ``python tools/release/pip_install_check.py [--fresh] [NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+from pathlib import Path
+
+PROBE = Path(__file__).with_name("_probe.py")
+# What `python -m venv` puts in a venv before anything is installed.
+VENV_BASELINE = {"pip", "setuptools"}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _wheels(dist: Path) -> dict[str, dict[str, object]]:
+    """name -> {"wheel", "version", "requires"} read from each wheel's METADATA."""
+    out: dict[str, dict[str, object]] = {}
+    for wheel in sorted(dist.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as zf:
+            (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+            msg = email.parser.Parser().parsestr(zf.read(meta).decode())
+        requires = [
+            _canonical(re.match(r"[A-Za-z0-9_.-]+", line).group(0))
+            for line in msg.get_all("Requires-Dist") or []
+            if "extra ==" not in line
+        ]
+        out[_canonical(msg["Name"])] = {
+            "wheel": wheel,
+            "version": msg["Version"],
+            "requires": requires,
+        }
+    return out
+
+
+def _needs_torch(name: str, wheels: dict[str, dict[str, object]]) -> bool:
+    """Whether torch is in ``name``'s declared closure (through the members in the wheelhouse)."""
+    todo, seen = [name], set()
+    while todo:
+        current = todo.pop()
+        if current == "torch":
+            return True
+        if current in seen or current not in wheels:
+            continue
+        seen.add(current)
+        todo.extend(wheels[current]["requires"])  # type: ignore[arg-type]
+    return False
+
+
+def _find_links() -> list[Path]:
+    """pip's find-links locations (environment and config files), as directories."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    ).stdout
+    values = re.findall(r"find-links='([^']*)'", out)
+    values.append(os.environ.get("PIP_FIND_LINKS", ""))
+    return [Path(v) for value in values for v in value.split() if v and Path(v).is_dir()]
+
+
+def torch_constraint() -> str | None:
+    """``torch==X+cpu`` for a CPU torch wheel pip can already see, or the ``DS_PIP_TORCH`` override."""
+    if "DS_PIP_TORCH" in os.environ:
+        return os.environ["DS_PIP_TORCH"] or None
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    arch = sysconfig.get_platform().split("-")[-1]
+    found = []
+    for folder in _find_links():
+        for wheel in folder.glob(f"torch-*+cpu-{tag}-{tag}-*{arch}.whl"):
+            version = wheel.name.split("-")[1]
+            found.append(
+                (tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])), version)
+            )
+    return f"torch=={max(found)[1]}" if found else None
+
+
+def _venv(path: Path) -> Path:
+    """A fresh venv made by plain ``python -m venv``; returns its interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+    return path / "bin" / "python"
+
+
+def _site_packages(python: Path) -> str:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _pip_install(python: Path, args: list[str], log: Path) -> str:
+    """``pip install`` with the shared flags; the output goes to ``log``; returns its summary line."""
+    proc = subprocess.run(
+        [python, "-m", "pip", "install", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+    )
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"pip install {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("Successfully installed")]
+    return lines[-1] if lines else "(nothing new installed)"
+
+
+class Checker:
+    """One wheelhouse, one work folder, one optional torch layer."""
+
+    def __init__(self, dist: Path, work: Path, fresh: bool) -> None:
+        self.dist, self.work, self.fresh = dist.resolve(), work.resolve(), fresh
+        self.wheels = _wheels(self.dist)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.constraints = self.work / "constraints.txt"
+        pin = torch_constraint()
+        self.constraints.write_text(f"{pin}\n" if pin else "")
+        print(f"torch: {pin or 'unpinned (the index decides)'}", flush=True)
+        self.layer: str | None = None
+
+    def _pip_args(self, *names: str) -> list[str]:
+        return ["--find-links", str(self.dist), "-c", str(self.constraints), *names]
+
+    def _torch_layer(self) -> str:
+        """The base venv's site-packages, holding torch and its dependencies (made once)."""
+        if self.layer is None:
+            start = time.monotonic()
+            python = _venv(self.work / "torch-layer")
+            summary = _pip_install(python, self._pip_args("torch"), self.work / "torch-layer.log")
+            self.layer = _site_packages(python)
+            print(f"torch layer: {summary} ({time.monotonic() - start:.0f} s)", flush=True)
+        return self.layer
+
+    def check(self, name: str) -> list[str]:
+        """Install ``name`` alone and check it; returns the problems found (empty: passed)."""
+        start = time.monotonic()
+        python = _venv(self.work / name)
+        if not self.fresh and _needs_torch(name, self.wheels):
+            Path(_site_packages(python), "_ds_torch_layer.pth").write_text(
+                self._torch_layer() + "\n"
+            )
+        summary = _pip_install(python, self._pip_args(name), self.work / f"{name}.log")
+        problems = []
+        pip_check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+        if pip_check.returncode != 0:
+            problems.append(f"pip check: {pip_check.stdout.strip()}")
+        probe = json.loads(
+            subprocess.run([python, PROBE, name], capture_output=True, text=True, check=True).stdout
+        )
+        visible, closure = set(probe["visible"]), set(probe["closure"])
+        if extra := sorted(visible - closure - VENV_BASELINE):
+            problems.append(f"installed but not declared by {name} (or its dependencies): {extra}")
+        if missing := sorted(closure - visible):
+            problems.append(f"declared but not installed: {missing}")
+        problems += self._imports(python, probe["modules"])
+        problems += self._scripts(python, probe["scripts"])
+        tree = "\n".join(probe["tree"])
+        (self.work / f"{name}.tree.txt").write_text(f"{summary}\n{tree}\n")
+        status = "FAILED" if problems else "ok"
+        print(
+            f"\n== {name}: {status} ({time.monotonic() - start:.0f} s)\n{summary}\n{tree}",
+            flush=True,
+        )
+        for problem in problems:
+            print(f"   problem: {problem}", flush=True)
+        return problems
+
+    @staticmethod
+    def _imports(python: Path, modules: list[str]) -> list[str]:
+        """Each top-level package imports and every name in its ``__all__`` resolves."""
+        code = (
+            "import importlib, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    module = importlib.import_module(name)\n"
+            "    for attr in getattr(module, '__all__', ()):\n"
+            "        getattr(module, attr)\n"
+        )
+        if not modules:
+            return ["no top-level package found in the wheel"]
+        proc = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True)
+        return [] if proc.returncode == 0 else [f"public API import: {proc.stderr.strip()[-2000:]}"]
+
+    @staticmethod
+    def _scripts(python: Path, scripts: list[str]) -> list[str]:
+        """Each console script runs ``--help`` (exit 0, something printed)."""
+        problems = []
+        for script in scripts:
+            proc = subprocess.run(
+                [python.parent / script, "--help"], capture_output=True, text=True, timeout=300
+            )
+            if proc.returncode != 0 or not proc.stdout.strip():
+                problems.append(
+                    f"{script} --help: exit {proc.returncode}\n{proc.stdout[-1000:]}{proc.stderr[-2000:]}"
+                )
+        return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "names", nargs="*", help="members to check (default: every wheel in --dist)"
+    )
+    parser.add_argument("--dist", type=Path, default=Path("dist"), help="the wheelhouse")
+    parser.add_argument(
+        "--work", type=Path, default=Path("build/pip-install"), help="venvs and logs"
+    )
+    parser.add_argument("--fresh", action="store_true", help="no shared torch layer (see the note)")
+    args = parser.parse_args(argv)
+    checker = Checker(args.dist, args.work, args.fresh)
+    names = args.names or sorted(checker.wheels)
+    if unknown := sorted(set(names) - set(checker.wheels)):
+        parser.error(f"no wheel in {args.dist} for {unknown}; run `nox -s build` first")
+    failed = {name: problems for name in names if (problems := checker.check(name))}
+    if failed:
+        print(f"\nFAILED: {sorted(failed)}", file=sys.stderr)
+        return 1
+    print(f"\nall {len(names)} members install alone with pip: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
