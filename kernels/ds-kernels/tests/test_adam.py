@@ -150,8 +150,12 @@ def test_forced_triton_refuses_float64(triton_device: torch.device) -> None:
 
 
 def test_empty_lists_are_a_no_op() -> None:
-    ds_kernels.adam([], [], [], [], step=1, **HYPER)
-    ds_kernels.adam_reference([], [], [], [], step=1, **HYPER)
+    lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    assert ds_kernels.adam(*lists, step=1, **HYPER) is None
+    assert ds_kernels.adam_reference(*lists, step=1, **HYPER) is None
+    assert lists == ([], [], [], [])
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        ds_kernels.adam(*lists, step=0, **HYPER)  # the arguments are still checked
 
 
 def _bad_lists(kind: str) -> tuple[list[torch.Tensor], ...]:
