@@ -119,8 +119,13 @@ def test_control_tensors_of_a_gloo_group_live_on_the_host() -> None:
     assert run_on_ranks(_group_device_body, 2) == [["cpu", "cpu"]] * 2
 
 
-def test_off_by_default() -> None:
-    assert run_on_ranks(_off_body, 1, fresh=True) == [False]
+def test_off_when_the_environment_says_so() -> None:
+    assert run_on_ranks(_off_body, 1, fresh=True, env={"DS_DEVICE_GUARD": "0"}) == [False]
+
+
+def test_rank_workers_of_the_test_harness_run_guarded() -> None:
+    # ds-testing turns the guard on in every rank worker, so the whole suite checks devices.
+    assert run_on_ranks(_off_body, 2) == [True, True]
 
 
 def test_bad_values_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:

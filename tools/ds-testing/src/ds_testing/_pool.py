@@ -145,6 +145,9 @@ class WorkerPool:
             LOCAL_WORLD_SIZE=str(self.key.world_size),
             DS_TESTING_SYS_PATH=json.dumps(sys.path),
         )
+        # Every collective in every rank worker checks its tensors' devices (ds-comm's device
+        # guard), so the whole suite proves the device discipline; a test may turn it off.
+        env.setdefault("DS_DEVICE_GUARD", "1")
         env.pop("MASTER_PORT", None)
         if not self.key.init_process_group:
             env["MASTER_ADDR"] = "127.0.0.1"
