@@ -87,6 +87,9 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
+    # Changelog entry for every source change since a member's last version bump; no public-API
+    # breakage within a version series (README: Release).
+    session.run("python", "tools/release/versions_check.py")
 
 
 def _make_test_session(name: str, path: str) -> None:
