@@ -130,6 +130,58 @@ class Member:
         return list(dict.fromkeys([same[0], same[-1]])) if same else []
 
 
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0]))
+
+
+_OPS = {
+    "==": lambda a, b: a == b,
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+    "!=": lambda a, b: a != b,
+}
+
+
+def pin_problems(members: list[Member]) -> list[str]:
+    """Every internal requirement admits the required member's current version, and ds-engine
+    pins each member it depends on exactly (``==``: the set it was tested with)."""
+    versions = {m.name: m.version for m in members}
+    problems = []
+    for member in members:
+        project = tomllib.loads((member.folder / "pyproject.toml").read_text())["project"]
+        requirements = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            requirements += extra
+        for requirement in requirements:
+            match = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*([^;]*)", requirement)
+            name, spec = match.group(1), match.group(3).strip()
+            if name not in versions:
+                continue
+            clauses = [c.strip() for c in spec.split(",") if c.strip()]
+            if member.name == "ds-engine" and clauses != [f"=={versions[name]}"]:
+                problems.append(
+                    f"ds-engine requires {requirement!r}: it pins each member exactly, "
+                    f"'{name}=={versions[name]}'"
+                )
+                continue
+            for clause in clauses or [""]:
+                op = re.match(r"(==|>=|<=|!=|>|<)", clause)
+                admitted = op is not None and _OPS[op.group(1)](
+                    _version_tuple(versions[name]), _version_tuple(clause[op.end() :])
+                )
+                if not admitted:
+                    problems.append(
+                        f"{member.name} requires {requirement!r}, which does not admit {name} "
+                        f"{versions[name]} (give a range such as "
+                        f"'>={'.'.join(map(str, series(versions[name])))},<"
+                        f"{'.'.join(map(str, _next_series(versions[name])[:2]))}')"
+                    )
+                    break
+    return problems
+
+
 def _module_name(folder: Path) -> str:
     (package,) = [p.parent.name for p in (folder / "src").glob("*/__init__.py")]
     return package
@@ -177,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     folders = [
         f for g in MEMBER_GLOBS for f in sorted(root.glob(g)) if (f / "pyproject.toml").is_file()
     ]
-    problems = []
-    for folder in folders:
-        member = Member(folder)
+    members = [Member(folder) for folder in folders]
+    problems = pin_problems(members)
+    for member in members:
+        folder = member.folder
         if not member.bumps:
             problems.append(f"{member.name}: no commit sets the version in {folder}/pyproject.toml")
             continue
