@@ -83,3 +83,37 @@ def train(engine, first: int, count: int, rank: int, world: int, dtype: str) -> 
 def copy_case(name: str, dest: Path) -> Path:
     shutil.copytree(FIXTURES / name, dest / name)
     return dest / name
+
+
+def pipe_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y.float()) ** 2).mean()
+
+
+def build_pipe_engine(cfg: dict[str, Any], seed: int = 99):
+    """The fixture's one-stage ``PipelineModule`` (Linear, Tanh, Linear, Tanh, Linear)."""
+    import ds_engine as deepspeed
+    from ds_engine.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(seed)
+    layers = [
+        LayerSpec(torch.nn.Linear, IN, HIDDEN),
+        torch.nn.Tanh(),
+        LayerSpec(torch.nn.Linear, HIDDEN, MID),
+        torch.nn.Tanh(),
+        LayerSpec(torch.nn.Linear, MID, OUT),
+    ]
+    model = PipelineModule(layers=layers, num_stages=1, loss_fn=pipe_loss)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def train_pipe(engine, first: int, count: int, rank: int, world: int) -> list[float]:
+    import ds_comm
+
+    losses = []
+    for step in range(first, first + count):
+        loss = engine.train_batch(data_iter=iter([batch(step, rank, world)]))
+        value = loss.detach().float().clone()
+        ds_comm.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses

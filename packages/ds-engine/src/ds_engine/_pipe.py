@@ -40,6 +40,7 @@ from ds_engine import __version__
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
 from ds_engine._checkpoint import check_client_state, resolve_checkpoint, tag_directory
+from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_pipeline_checkpoint
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
 from ds_engine._monitor import build_monitor
@@ -615,6 +616,16 @@ class PipelineDeepSpeedEngine(EngineSurface):
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...) is not supported with a PipelineModule (as "
                 "in DeepSpeed): its layers load from per-layer files"
+            )
+        ds_path = deepspeed_tag_dir(load_dir, tag)
+        if ds_path is not None:  # DeepSpeed wrote it
+            return load_deepspeed_pipeline_checkpoint(
+                self,
+                ds_path,
+                strict=load_module_strict,
+                optimizer_states=load_optimizer_states,
+                lr_scheduler_states=load_lr_scheduler_states,
+                module_only=load_module_only,
             )
         path = resolve_checkpoint(load_dir, tag)
         if path is None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ds_engine._deepspeed_ckpt._load import load_deepspeed_checkpoint
+from ds_engine._deepspeed_ckpt._load import (
+    load_deepspeed_checkpoint,
+    load_deepspeed_pipeline_checkpoint,
+)
 from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError, load_file
 from ds_engine._deepspeed_ckpt._read import (
     DeepSpeedState,
@@ -18,6 +21,7 @@ __all__ = [
     "deepspeed_tag_dir",
     "read_checkpoint",
     "load_deepspeed_checkpoint",
+    "load_deepspeed_pipeline_checkpoint",
     "load_file",
     "DeepSpeedState",
     "DeepSpeedCheckpointError",

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from ds_engine._engine import DeepSpeedEngine
 
-__all__ = ["load_deepspeed_checkpoint"]
+__all__ = ["load_deepspeed_checkpoint", "load_deepspeed_pipeline_checkpoint"]
 
 
 def trainable_names(module: torch.nn.Module) -> list[str]:
@@ -69,8 +69,7 @@ def _lookup(state: DeepSpeedState) -> Callable[[str, int, int], Mapping[str, tor
     return lookup
 
 
-def _restore_scalars(engine: DeepSpeedEngine, state: DeepSpeedState) -> None:
-    optimizer = engine.optimizer
+def _restore_scalars(optimizer: Any, state: DeepSpeedState) -> None:
     groups = optimizer.param_groups
     if len(groups) != len(state.groups):
         raise DeepSpeedCheckpointError(
@@ -94,8 +93,7 @@ def _restore_scalars(engine: DeepSpeedEngine, state: DeepSpeedState) -> None:
                 slot["step"] = torch.as_tensor(step).clone() if old is None else type(old)(step)
 
 
-def _restore_loss_scaler(engine: DeepSpeedEngine, state: DeepSpeedState) -> None:
-    target = engine.loss_scaler
+def _restore_loss_scaler(target: Any, state: DeepSpeedState) -> None:
     if target is None or not state.loss_scaler:
         return
     current = target.state_dict()
@@ -130,8 +128,8 @@ def load_deepspeed_checkpoint(
                 "it with load_optimizer_states=False"
             )
         optimizer.load_checkpoint_shards(_lookup(state))
-        _restore_scalars(engine, state)
-        _restore_loss_scaler(engine, state)
+        _restore_scalars(optimizer, state)
+        _restore_loss_scaler(engine.loss_scaler, state)
     elif zero:
         optimizer.refresh_fp32_params()
     elif optimizer_states and optimizer is not None and not module_only:
@@ -157,4 +155,51 @@ def load_deepspeed_checkpoint(
             setattr(optimizer, key, int(getattr(engine, key)))
     if zero and hasattr(optimizer, "micro_steps"):
         optimizer.micro_steps = engine.micro_steps
+    return str(path), client
+
+
+def load_deepspeed_pipeline_checkpoint(
+    engine: Any,
+    path: Path,
+    *,
+    strict: bool,
+    optimizer_states: bool,
+    lr_scheduler_states: bool,
+    module_only: bool,
+) -> tuple[str, dict[str, Any]]:
+    """Load a DeepSpeed ``PipelineModule`` checkpoint (``layer_XX-model_states.pt`` plus the
+    ZeRO files) into ds's pipeline engine: this stage's layers, its share of the optimizer
+    state, the schedule and the step counters."""
+    state = read_checkpoint(path, trainable_names(engine.module))
+    own = engine.module.state_dict()
+    missing = [k for k in own if k not in state.module]
+    if strict and missing:
+        raise DeepSpeedCheckpointError(
+            f"DeepSpeed pipeline checkpoint {str(path)!r} has no weights for {missing[:8]}"
+        )
+    with torch.no_grad():
+        for key, target in own.items():
+            if key in state.module:
+                target.copy_(state.module[key])
+    zero = getattr(engine, "zero", None)
+    if optimizer_states and zero is not None and not module_only:
+        zero.load_checkpoint_shards(_lookup(state))
+        _restore_scalars(zero, state)
+        _restore_loss_scaler(engine.loss_scaler, state)
+    elif zero is not None and hasattr(zero, "refresh_fp32_params"):
+        zero.refresh_fp32_params()
+    elif optimizer_states and not module_only and state.fp32:
+        raise DeepSpeedCheckpointError(
+            f"loading the optimizer state of {str(path)!r} into a pipeline without a ZeRO "
+            "optimizer (stage 0 in fp32) is not implemented; pass load_optimizer_states=False "
+            "or train at zero_optimization.stage 1"
+        )
+    client = dict(state.client_state)
+    if module_only:
+        return str(path), client
+    saved = state.engine
+    if lr_scheduler_states and engine.lr_scheduler is not None and saved.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    engine.pipe.global_steps = int(saved.get("global_steps", 0))
+    engine.pipe.skipped_steps = int(saved.get("skipped_steps", 0))
     return str(path), client

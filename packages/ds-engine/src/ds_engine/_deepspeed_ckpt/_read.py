@@ -45,6 +45,7 @@ _MODEL = "mp_rank_00_model_states.pt"
 _ZERO_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _LAYER = re.compile(r"^layer_\d+-model_states\.pt$")
+_LAYER_INDEX = re.compile(r"^layer_(\d+)-model_states\.pt$")
 _EXPERT = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 # Keys of the model file that DeepSpeed owns; every other top-level key is the client state.
 ENGINE_KEYS = frozenset(
@@ -325,14 +326,13 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
             and MoE expert files, which ds does not read yet.
     """
     names = sorted(p.name for p in path.iterdir())
-    refused = [
-        n for n in names if _LAYER.match(n) or _EXPERT.match(n) or n.startswith("expp_rank_")
-    ]
+    refused = [n for n in names if _EXPERT.match(n) or n.startswith("expp_rank_")]
+    refused += [n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$", n)]
     if refused:
         raise DeepSpeedCheckpointError(
-            f"{str(path)!r} holds DeepSpeed pipeline-layer or MoE expert files ({refused[:3]}): "
-            "reading those is not implemented in ds yet; consolidate the weights with "
-            "DeepSpeed's zero_to_fp32 and load them with load_state_dict"
+            f"{str(path)!r} holds DeepSpeed MoE expert files or tensor-parallel pipeline layer "
+            f"files ({refused[:3]}): reading those is not implemented in ds yet; consolidate "
+            "the weights with DeepSpeed's zero_to_fp32 and load them with load_state_dict"
         )
     files = _optim_files(path)
     model_file = path / _MODEL
@@ -346,6 +346,7 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
     if not isinstance(model, Mapping):
         raise DeepSpeedCheckpointError(f"{str(model_file)!r} does not hold a dict")
     module = dict(_need(model, "module", model_file) or {})
+    module.update(_layer_weights(path, names))
     world = int(model.get("dp_world_size", len(files) or 1))
     state = DeepSpeedState(
         path=path, model_file=model_file, stage=0, world_size=world, module=module
@@ -370,6 +371,22 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
         if name in module and module[name].numel() == 0:  # stage 3 placeholders
             module[name] = value.view(_shape_of(state, name)).to(module[name].dtype)
     return state
+
+
+def _layer_weights(path: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """A pipeline's weights: ``layer_XX-model_states.pt`` holds layer XX's state dict, whose
+    keys take the prefix ``XX.`` in the ``PipelineModule`` (DeepSpeed's and ds's naming)."""
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        match = _LAYER_INDEX.match(name)
+        if match is None:
+            continue
+        layer = load_file(path / name)
+        if not isinstance(layer, Mapping):
+            raise DeepSpeedCheckpointError(f"{str(path / name)!r} does not hold a state dict")
+        index = int(match.group(1))
+        weights.update({f"{index}.{key}": value for key, value in layer.items()})
+    return weights
 
 
 def _shape_of(state: DeepSpeedState, name: str) -> tuple[int, ...]:
