@@ -14,17 +14,27 @@ untimed warm-up of each fills the file cache. The table shows medians (and minim
 
 Target: ds-launch <= torchrun in total time, for every rank count.
 
+``--ctrl-c`` measures instead how long a Ctrl-C takes to clear every process of a 2-rank job
+(ranks, their children, the runner's tools, remote agents), for each runner installed here:
+``local``, ``ssh`` and ``pdsh`` (through a throwaway sshd on a loopback port, two names of this
+machine as the nodes), ``mpich``/``openmpi`` when ``mpirun`` is found, and ``torchrun`` as the
+peer. SIGINT goes to the launcher's process group, as a terminal sends it. Ranks either keep
+Python's default handlers (``cooperative``) or ignore SIGINT and SIGTERM (``stubborn``: a rank
+stuck in a collective's C code runs no handler, so only SIGKILL stops it). Target: under 5 s.
+
 Usage (from the workspace root)::
 
     uv run python tools/bench/launch.py                    # 2 and 4 ranks, 7 repeats
     uv run python tools/bench/launch.py --ranks 2 4 8 --repeats 11
     uv run python tools/bench/launch.py --user-code allreduce
+    uv run python tools/bench/launch.py --ctrl-c --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -141,12 +151,213 @@ def print_table(results: dict[int, dict[str, list[Sample]]], user_code: str) -> 
     return met_all
 
 
+# ---------------------------------------------------------------------------------------------
+# --ctrl-c: Ctrl-C to every process gone, per runner
+
+
+STOP_PROGRAM = """\
+import os, signal, subprocess, sys, time
+mode, out, token = sys.argv[-3:]
+rank = next(os.environ[k] for k in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ)
+if mode == "stubborn":  # a rank stuck in C code (a collective) runs no Python handler
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", token])
+with open(os.path.join(out, "ready" + rank), "w") as fd:
+    fd.write("1")
+time.sleep(600)
+"""
+# What a terminal's Ctrl-C must achieve: every process of the job gone within this many seconds.
+CTRL_C_TARGET_S = 5.0
+
+
+def _processes_with(token: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+class _Sshd:
+    """A throwaway sshd on a loopback port (as the tests use), for the ssh and pdsh runners."""
+
+    def __enter__(self) -> _Sshd:
+        import shutil
+
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        self.home = Path(tempfile.mkdtemp(prefix="ds-bench-sshd-"))
+        for key in ("host_key", "user_key"):
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.home / key)],
+                check=True,
+            )
+        authorized = self.home / "authorized_keys"
+        authorized.write_text((self.home / "user_key.pub").read_text())
+        authorized.chmod(0o600)
+        self.port = _free_port()
+        config = self.home / "sshd_config"
+        config.write_text(
+            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {self.home / 'host_key'}\n"
+            f"AuthorizedKeysFile {authorized}\nPidFile {self.home / 'sshd.pid'}\nUsePAM no\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nStrictModes no\n"
+        )
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sshd, "-D", "-e", "-f", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        self.options = (
+            f"-i {self.home / 'user_key'} -o IdentitiesOnly=yes -o StrictHostKeyChecking=no "
+            "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o AddressFamily=inet"
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def stop_commands(runner: str, port: int, hostfile: Path, sshd: _Sshd | None):
+    """The launcher's argv and extra environment for a 2-rank job of ``runner``."""
+    if runner == "torchrun":
+        argv = [*_console_script("torchrun", "torch.distributed.run"), "--nproc_per_node=2"]
+        return [*argv, f"--master_port={port}"], {}
+    argv = [*_console_script("ds-launch", "ds_launch.cli"), f"--master_port={port}"]
+    if runner == "local":
+        return [*argv, "--num_gpus=2", "--no_local_rank"], {}
+    if runner in ("ssh", "pdsh"):
+        assert sshd is not None
+        argv += [f"--hostfile={hostfile}", f"--launcher={runner}", f"--ssh_port={sshd.port}"]
+        argv.append("--no_local_rank")
+        if runner == "ssh":
+            return [*argv, "--launcher_args", sshd.options], {}
+        return argv, {"PDSH_SSH_ARGS_APPEND": sshd.options}
+    return [*argv, f"--launcher={runner}", "--force_multi", "--num_gpus=2"], {}
+
+
+def ctrl_c_once(command: list[str], extra_env: dict, program: Path, mode: str) -> float:
+    """Seconds from SIGINT to the launcher's process group until no process of the job is left."""
+    token = f"ds-bench-stop-{os.getpid()}-{time.monotonic_ns()}"
+    with tempfile.TemporaryDirectory(prefix="ds-bench-stop-") as out:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra_env}
+        proc = subprocess.Popen(
+            [*command, str(program), mode, out, token],
+            env=env,
+            cwd=out,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # the terminal's foreground group: Ctrl-C reaches all of it
+        )
+        deadline = time.monotonic() + 120
+        while len(list(Path(out).glob("ready*"))) < 2:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"{' '.join(command)} did not start: {proc.stderr.read()!r}")
+            time.sleep(0.02)
+        time.sleep(0.5)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        while _processes_with(token) or proc.poll() is None:
+            if time.monotonic() - start > 60:
+                for pid in _processes_with(token):
+                    os.kill(pid, signal.SIGKILL)
+                return float("inf")
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+        proc.wait()
+        proc.stderr.close()
+    return elapsed
+
+
+# The MPI a runner needs, as ``mpirun --version`` names it.
+_MPI_FLAVOURS = {"openmpi": "Open MPI", "mpich": "HYDRA", "impi": "Intel", "mvapich": "MVAPICH"}
+
+
+def _missing_tool(runner: str, tool: str | None, find_tool) -> str | None:
+    """Why ``runner`` cannot run here (its tool is absent, or another MPI's), or None."""
+    if tool is None or runner in ("ssh", "pdsh"):
+        return None
+    path = find_tool(tool)
+    if path is None:
+        return f"{tool} is not installed here"
+    flavour = _MPI_FLAVOURS.get(runner)
+    if flavour is not None:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+        if flavour.lower() not in version.lower():
+            return f"{path} is not {flavour}'s mpirun"
+    return None
+
+
+def measure_ctrl_c(runners: list[str], repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Per runner, per rank behaviour (``cooperative``, ``stubborn``): the stop times."""
+    from ds_launch._runners import TOOLS, find_tool
+
+    results: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="ds-bench-program-") as folder, _Sshd() as sshd:
+        program = Path(folder) / "stop_program.py"
+        program.write_text(STOP_PROGRAM)
+        hostfile = Path(folder) / "hostfile"
+        hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+        for runner in runners:
+            missing = _missing_tool(runner, TOOLS.get(runner), find_tool)
+            if missing:
+                print(f"{runner}: {missing}; not measured")
+                continue
+            results[runner] = {}
+            for mode in ("cooperative", "stubborn"):
+                times = []
+                for _ in range(repeats):
+                    command, extra = stop_commands(runner, _free_port(), hostfile, sshd)
+                    times.append(ctrl_c_once(command, extra, program, mode))
+                results[runner][mode] = times
+    return results
+
+
+def print_ctrl_c_table(results: dict[str, dict[str, list[float]]]) -> bool:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\nCtrl-C to every process gone, 2 ranks; {os.cpu_count()} cores, load {load:.1f}")
+    print("seconds, median (max) over the repeats; 'stubborn' ranks ignore SIGINT and SIGTERM\n")
+    print(f"{'runner':<10} {'cooperative':>16}  {'stubborn':>16}  target < {CTRL_C_TARGET_S:g} s")
+    met_all = True
+    for runner, modes in results.items():
+        cells = [f"{statistics.median(t):7.2f} ({max(t):6.2f})" for t in modes.values()]
+        worst = max(max(t) for t in modes.values())
+        met = worst < CTRL_C_TARGET_S or runner == "torchrun"  # the peer is not held to it
+        met_all &= met
+        verdict = "peer" if runner == "torchrun" else ("met" if met else "NOT met")
+        print(f"{runner:<10} {cells[0]:>16}  {cells[1]:>16}  {verdict}")
+    return met_all
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--user-code", choices=["empty", "allreduce"], default="empty")
+    parser.add_argument("--ctrl-c", action="store_true", help="time Ctrl-C to a clean table")
+    parser.add_argument(
+        "--runners", nargs="+", default=["local", "ssh", "pdsh", "mpich", "openmpi", "torchrun"]
+    )
     args = parser.parse_args()
+    if args.ctrl_c:
+        met = print_ctrl_c_table(measure_ctrl_c(args.runners, min(args.repeats, 5)))
+        print("\nall targets met" if met else "\nsome targets NOT met")
+        return
     with tempfile.TemporaryDirectory(prefix="ds-bench-program-") as folder:
         program = Path(folder) / "user_program.py"
         program.write_text(USER_PROGRAM)

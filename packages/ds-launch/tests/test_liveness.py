@@ -5,6 +5,7 @@ the job after ``--early_exit_grace`` unless ``--allow_early_rank_exit``. Bounds 
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -97,3 +98,28 @@ def test_node_that_never_starts_is_named(launcher, sshd, out_dir, tmp_path, runn
     assert (out_dir / "ready0").exists()  # node 0 did start, and was stopped
     assert elapsed < 90, elapsed
     launcher.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("runner", [pytest.param("ssh", marks=pytest.mark.slow), "pdsh"])
+def test_ctrl_c_clears_every_node(launcher, sshd, out_dir, tmp_path, runner):
+    # Rank 1 ignores SIGINT and SIGTERM (as a rank inside a collective's C code does): only its
+    # agent's SIGKILL after --kill_grace stops it, once the connection to its node has dropped.
+    # How fast is measured by `tools/bench/launch.py --ctrl-c`; here only that it happens.
+    flags, extra = _remote_flags(runner, sshd, tmp_path, sshd.options)
+    proc = launcher.start(
+        *flags,
+        *launcher.program("hang", out_dir, "ignore=1"),
+        cwd=tmp_path,
+        env=launcher.env(**extra),
+    )
+    deadline = time.monotonic() + 120
+    while len(list(out_dir.glob("ready*"))) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "ranks never became ready"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert "got SIGINT; passing it on" in stderr
+    assert (out_dir / "signal0").read_text() == "SIGTERM"  # from its agent, connection gone
+    launcher.assert_no_leftovers(timeout=30)

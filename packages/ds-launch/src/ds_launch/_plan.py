@@ -249,6 +249,7 @@ def _tool_children(
                 # ssh, mpirun and srun tear their side down on SIGTERM; a SIGTERMed pdsh leaves
                 # its ssh processes behind, so it is left to the reaper (see _supervise.py).
                 death_signal=None if launcher == "pdsh" else signal.SIGTERM,
+                stop_signal=signal.SIGKILL if launcher == "pdsh" else None,
                 failure_line=_runners.pdsh_failure if launcher == "pdsh" else None,
                 # pdsh carries every node, ssh one each; both agents report their events.
                 members=every_node if launcher == "pdsh" else None,

@@ -18,6 +18,18 @@ it SIGKILLs those children's groups and descendants, which catches the grandchil
 ``PDEATHSIG`` and is left to the reaper. On a normal exit the supervisor SIGKILLs whatever is
 left in the groups itself, then tells the reaper to leave.
 
+[Note: Ctrl-C within 5 s]
+A Ctrl-C must clear every process of the job, on every node, within 5 s, also when ranks run
+no Python handler (a rank inside a collective's C code ignores SIGINT and SIGTERM until it
+returns). The signal is passed on at once: to the local ranks, to ``mpirun``/``srun`` (which
+pass it to theirs), to each ``ssh`` (which exits and drops its connection), and pdsh's tree is
+SIGKILLed (its ssh processes inherit pdsh's blocked SIGINT, so only SIGKILL stops them at once).
+A remote agent whose connection has dropped gets SIGTERM from the kernel (its parent-death
+signal) and stops its ranks. Whatever still runs ``--kill_grace`` seconds later is SIGKILLed,
+locally by the launcher and remotely by each agent; the default grace, 3 s, keeps the whole
+chain under 5 s (``tools/bench/launch.py --ctrl-c`` measures it per runner). Ranks that need
+longer to exit cleanly get it with a larger ``--kill_grace``.
+
 [Note: one thread]
 Children are started from the main thread and everything runs in one ``selectors`` loop: pipes,
 child exits and signals all arrive as readable file descriptors (``signal.set_wakeup_fd`` turns
@@ -70,6 +82,10 @@ class ChildSpec:
             reaper still kills it and its descendants).
         failure_line: called with each stderr line; a ``(exit code, description)`` result counts
             as a failure of the job (pdsh reports remote exit codes this way).
+        stop_signal: what stops it when the job stops, whatever signal the job got (None: that
+            signal). pdsh gets SIGKILL: its ssh processes block SIGINT and outlive a SIGTERMed
+            pdsh, and only the dropped connections stop the remote agents (see
+            [Note: Ctrl-C within 5 s]).
         members: the indexes of the members (see [Note: every member is seen]) this child
             carries: one node for ssh, every node for pdsh; None: the member at its own index.
         events: its stderr carries node agents' event lines, which are taken out of the output.
@@ -83,6 +99,7 @@ class ChildSpec:
     cores: Sequence[int] | None = None
     death_signal: int | None = signal.SIGKILL
     failure_line: Callable[[bytes], tuple[int, str] | None] | None = None
+    stop_signal: int | None = None
     members: tuple[int, ...] | None = None
     events: bool = False
 
@@ -537,12 +554,23 @@ class _Job:
     # -- stopping ---------------------------------------------------------------------------
 
     def signal_all(self, sig: int) -> None:
-        """Signal every live child's group and every descendant (see [Note: no orphans])."""
-        roots = {child.proc.pid for child in self.live}
-        self.escaped |= {pid for pid in descendants(roots) if _pgid(pid) not in roots}
-        for pgid in roots:
-            _killpg(pgid, sig)
-        for pid in self.escaped:
+        """Signal every live child's group and every descendant (see [Note: no orphans]), with
+        the child's ``stop_signal`` instead of ``sig`` where it has one."""
+        everyone = {child.proc.pid for child in self.live}
+        by_signal: dict[int, set[int]] = collections.defaultdict(set)
+        for child in self.live:
+            chosen = child.spec.stop_signal if sig != signal.SIGKILL else None
+            by_signal[chosen or sig].add(child.proc.pid)
+        reached: set[int] = set()
+        for chosen, roots in by_signal.items():
+            escaped = {pid for pid in descendants(roots) if _pgid(pid) not in everyone}
+            self.escaped |= escaped
+            reached |= escaped
+            for pgid in roots:
+                _killpg(pgid, chosen)
+            for pid in escaped:
+                _kill_pid(pid, chosen)
+        for pid in self.escaped - reached:  # their child has gone: they still get ``sig``
             _kill_pid(pid, sig)
 
     def stop(self, sig: int) -> None:
