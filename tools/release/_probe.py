@@ -6,7 +6,10 @@
 - ``closure``: the distributions reachable from NAME through ``Requires-Dist`` (markers evaluated
   here, no extras requested), NAME included;
 - ``tree``: the same walk as an indented tree (what pip resolved, one line per edge);
-- ``modules``: NAME's top-level import packages; ``scripts``: its console scripts.
+- ``modules``: NAME's top-level import packages; ``scripts``: its console scripts;
+- ``metadata``: the sha256 of each distribution's ``METADATA`` (copied verbatim from its wheel),
+  so the caller can tell that a ds distribution came from the wheelhouse and not from an index
+  (PyPI has a ``deepspeed`` of the same version as the alias).
 
 Only the standard library and pip's vendored ``packaging`` are used, so the venv needs nothing
 the member does not install itself.
@@ -14,6 +17,7 @@ the member does not install itself.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import json
 import sys
@@ -80,6 +84,10 @@ def main() -> None:
                 "tree": tree,
                 "modules": modules,
                 "scripts": scripts,
+                "metadata": {
+                    name: hashlib.sha256((d.read_text("METADATA") or "").encode()).hexdigest()
+                    for name, d in dists.items()
+                },
             }
         )
     )

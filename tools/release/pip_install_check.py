@@ -6,7 +6,8 @@ ships (never uv): ``pip install --find-links dist NAME`` (full dependency resolu
 
 - ``pip check`` passes;
 - everything installed is reachable from NAME through its declared ``Requires-Dist`` (nothing
-  more, nothing missing; the venv's own pip and setuptools aside);
+  more, nothing missing; the venv's own pip and setuptools aside), and every ds distribution
+  installed is the wheelhouse's own (its METADATA identical), not a same-named one from an index;
 - each top-level package imports, and every name in its ``__all__`` resolves;
 - each console script runs ``--help`` with exit status 0;
 - the dependency tree pip resolved is printed and written to ``<work>/<name>.tree.txt``.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import hashlib
 import json
 import os
 import re
@@ -58,7 +60,8 @@ def _wheels(dist: Path) -> dict[str, dict[str, object]]:
     for wheel in sorted(dist.glob("*.whl")):
         with zipfile.ZipFile(wheel) as zf:
             (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
-            msg = email.parser.Parser().parsestr(zf.read(meta).decode())
+            text = zf.read(meta).decode()
+            msg = email.parser.Parser().parsestr(text)
         requires = [
             _canonical(re.match(r"[A-Za-z0-9_.-]+", line).group(0))
             for line in msg.get_all("Requires-Dist") or []
@@ -68,6 +71,7 @@ def _wheels(dist: Path) -> dict[str, dict[str, object]]:
             "wheel": wheel,
             "version": msg["Version"],
             "requires": requires,
+            "metadata": hashlib.sha256(text.encode()).hexdigest(),
         }
     return out
 
@@ -188,6 +192,13 @@ class Checker:
             problems.append(f"installed but not declared by {name} (or its dependencies): {extra}")
         if missing := sorted(closure - visible):
             problems.append(f"declared but not installed: {missing}")
+        foreign = [
+            f"{dist} {probe['visible'][dist]}"
+            for dist in sorted(visible & set(self.wheels))
+            if probe["metadata"].get(dist) != self.wheels[dist]["metadata"]
+        ]
+        if foreign:
+            problems.append(f"installed from somewhere else than {self.dist}: {foreign}")
         problems += self._imports(python, probe["modules"])
         problems += self._scripts(python, probe["scripts"])
         tree = "\n".join(probe["tree"])
