@@ -17,8 +17,9 @@ A launcher's members are the remote agents, which it cannot see start: each agen
 * **Early clean exit.** A member that exits 0 while others still run is normal for a moment
   (ranks finish a few milliseconds apart), a bug when it lasts: the others usually wait for it
   in a collective until their own timeout. When members still run ``--early_exit_grace``
-  seconds (default 30) after the first clean exit, the job fails, naming the member that ended
-  and those still running, as torchrun's agent fails a group that lost a worker.
+  seconds (default 60: ranks tearing torch down on a loaded machine can take tens of seconds)
+  after the first clean exit, the job fails, naming the member that ended and those still
+  running.
   ``--allow_early_rank_exit`` turns this off (a rank 0 that evaluates alone after the others
   finished, a job whose ranks end on their own schedules).
 

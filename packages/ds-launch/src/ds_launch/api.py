@@ -33,7 +33,7 @@ DEFAULT_KILL_GRACE_S = 3.0
 # Every node's agent must report within this many seconds (see [Note: every member is seen]).
 DEFAULT_NODE_START_TIMEOUT_S = 180.0
 # How long the other ranks may run on after one exited 0 before the job fails.
-DEFAULT_EARLY_EXIT_GRACE_S = 30.0
+DEFAULT_EARLY_EXIT_GRACE_S = 60.0
 # "local" runs every rank on this machine; the others start one job across the hostfile's nodes.
 LAUNCHERS = ("local", "pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 # Runners that start ranks through ds-launch's node agent (so per-rank options work there).
