@@ -117,15 +117,15 @@ def test_pdsh_host_substitution_stays_one_quoted_word(tmp_path, monkeypatch):
     )
     plan = plan_launch(config, {"PATH": "/usr/bin:/bin"}, cwd=str(tmp_path))
     remote = plan.commands[0][-1]
-    assert "'--node_host=%h'" in remote or "--node_host='%h'" in remote
     marker = tmp_path / "marker"
     for template in HOSTILE:
         host = _hostile(template, marker)
         command = remote.replace("%h", host).replace("%%", "%")  # pdsh's substitution
         result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+        assert not marker.exists(), (host, command)
         assert result.returncode == 2, (host, result.stderr)
         assert "is refused" in result.stderr, result.stderr
-        assert not marker.exists(), host
+    assert "--node_host='%h'" in remote
 
 
 # Values a remote shell would split, expand or run if they were not quoted; pdsh's %-escapes too.
