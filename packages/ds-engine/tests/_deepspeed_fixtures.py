@@ -117,3 +117,34 @@ def train_pipe(engine, first: int, count: int, rank: int, world: int) -> list[fl
         ds_comm.all_reduce(value)
         losses.append(value.item() / world)
     return losses
+
+
+class MoENet(torch.nn.Module):
+    """The fixture's fc1, MoE layer of two linear experts (top-1 gate), fc3."""
+
+    def __init__(self, ep_size: int) -> None:
+        from ds_engine.moe.layer import MoE
+
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, MID)
+        expert = torch.nn.Linear(MID, MID)
+        self.moe = MoE(hidden_size=MID, expert=expert, num_experts=2, ep_size=ep_size, k=1)
+        self.fc3 = torch.nn.Linear(MID, OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h, _, _ = self.moe(h)
+        return ((self.fc3(torch.tanh(h)).float() - y.float()) ** 2).mean()
+
+
+def build_moe_engine(cfg: dict[str, Any], world: int, seed: int = 99):
+    import ds_engine as deepspeed
+    from ds_engine.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    torch.manual_seed(seed)
+    model = MoENet(ep_size=world)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "params"}
+    )
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    return engine

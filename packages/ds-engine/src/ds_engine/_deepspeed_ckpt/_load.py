@@ -16,6 +16,7 @@ import torch
 
 from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError
 from ds_engine._deepspeed_ckpt._read import DeepSpeedState, read_checkpoint
+from ds_engine._moe import load_module_state
 from ds_zero import CheckpointError, GatheredParameters, Stage3Optimizer, ZeroOptimizer
 
 if TYPE_CHECKING:
@@ -32,6 +33,16 @@ def trainable_names(module: torch.nn.Module) -> list[str]:
 
 
 def _load_module(engine: DeepSpeedEngine, state: DeepSpeedState, strict: bool) -> None:
+    if state.experts:
+        if engine.expert_groups is None:
+            raise DeepSpeedCheckpointError(
+                f"{str(state.path)!r} holds MoE expert files {state.experts[:2]} but the model "
+                "has no MoE layers"
+            )
+        load_module_state(
+            engine.module, state.path, dict(state.module), engine.expert_groups, strict
+        )
+        return
     targets = dict(engine.module.state_dict(keep_vars=True))
     saved = state.module
     missing = [k for k in targets if k not in saved]
@@ -121,6 +132,13 @@ def load_deepspeed_checkpoint(
         _load_module(engine, state, strict)
     optimizer = engine.optimizer
     zero = isinstance(optimizer, (ZeroOptimizer, Stage3Optimizer))
+    if state.experts and optimizer_states and not module_only:
+        raise DeepSpeedCheckpointError(
+            f"loading the optimizer state of a DeepSpeed MoE checkpoint ({str(state.path)!r}, "
+            f"experts in {state.experts[0]} ...) is not implemented; "
+            "pass load_optimizer_states=False to load the weights (dense and experts), the "
+            "schedule and the counters"
+        )
     if optimizer_states and zero and not module_only:
         if not state.fp32:
             raise DeepSpeedCheckpointError(

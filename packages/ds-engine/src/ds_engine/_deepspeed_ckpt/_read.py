@@ -91,6 +91,8 @@ class DeepSpeedState:
         loss_scaler: the loss scaler's attributes (``cur_scale``, ``dynamic``, ...), or None.
         engine: the model file's engine entries (``global_steps``, ``lr_scheduler``, ...).
         client_state: the model file's other top-level keys.
+        experts: MoE expert files (``layer_<L>_expert_<E>_mp_rank_00_model_states.pt``).
+        expert_optimizer_files: MoE optimizer files (``expp_rank_<r>_...``), not read yet.
     """
 
     path: Path
@@ -104,6 +106,8 @@ class DeepSpeedState:
     loss_scaler: dict[str, Any] | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     client_state: dict[str, Any] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)
+    expert_optimizer_files: list[str] = field(default_factory=list)
 
 
 def deepspeed_tag_dir(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
@@ -326,14 +330,18 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
             and MoE expert files, which ds does not read yet.
     """
     names = sorted(p.name for p in path.iterdir())
-    refused = [n for n in names if _EXPERT.match(n) or n.startswith("expp_rank_")]
-    refused += [n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$", n)]
+    refused = [n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$", n)]
     if refused:
         raise DeepSpeedCheckpointError(
-            f"{str(path)!r} holds DeepSpeed MoE expert files or tensor-parallel pipeline layer "
-            f"files ({refused[:3]}): reading those is not implemented in ds yet; consolidate "
-            "the weights with DeepSpeed's zero_to_fp32 and load them with load_state_dict"
+            f"{str(path)!r} holds tensor-parallel pipeline layer files ({refused[:3]}): reading "
+            "those is not implemented in ds yet; consolidate the weights with DeepSpeed's "
+            "zero_to_fp32 and load them with load_state_dict"
         )
+    experts = [n for n in names if _EXPERT.match(n)]
+    for name in experts:  # checked here (data only); ds-moe renames them onto local experts
+        if not isinstance(load_file(path / name), Mapping):
+            raise DeepSpeedCheckpointError(f"{str(path / name)!r} does not hold a state dict")
+    expert_optim = [n for n in names if n.startswith("expp_rank_")]
     files = _optim_files(path)
     model_file = path / _MODEL
     if not model_file.is_file():
@@ -353,7 +361,12 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
     )
     state.engine = {k: model[k] for k in ENGINE_KEYS if k in model}
     state.client_state = {k: v for k, v in model.items() if k not in ENGINE_KEYS}
-    if files:
+    state.experts = experts
+    state.expert_optimizer_files = expert_optim
+    if experts:  # the optimizer state is not read (refused on load); still data only
+        for name in expert_optim + [p.name for p in files.values()]:
+            load_file(path / name)
+    elif files:
         if len(files) != world:
             raise DeepSpeedCheckpointError(
                 f"{str(model_file)!r} says dp_world_size {world} but {str(path)!r} holds "
