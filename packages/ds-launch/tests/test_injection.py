@@ -140,7 +140,14 @@ def _runner_flags(runner: str, sshd, hostfile: Path) -> tuple[list[str], dict[st
     return flags, {"PDSH_SSH_ARGS_APPEND": sshd.options}
 
 
-@pytest.mark.parametrize("runner", ["ssh", "pdsh", pytest.param("mpich", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "runner",
+    [
+        pytest.param("ssh", marks=pytest.mark.slow),
+        "pdsh",
+        pytest.param("mpich", marks=pytest.mark.slow),
+    ],
+)
 def test_values_with_spaces_reach_the_ranks_intact(launcher, sshd, out_dir, tmp_path, runner):
     marker = tmp_path / "marker"
     value = QUOTED_VALUE.replace("{m}", str(marker))
