@@ -87,6 +87,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
+    session.run("python", "tools/ci/check_module_size.py")  # no module over 800 lines
     # Changelog entry for every source change since a member's last version bump; no public-API
     # breakage within a version series (README: Release).
     session.run("python", "tools/release/versions_check.py")
