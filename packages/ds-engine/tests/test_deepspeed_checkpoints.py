@@ -360,3 +360,22 @@ def test_round_trip_deepspeed_ds_deepspeed(name: str, ds_world: int, tmp_path: P
     losses = ds_losses + result["losses"]
     diff = max(abs(a - b) for a, b in zip(losses, case["resumed_losses"]))
     assert diff <= tolerance, (losses, case["resumed_losses"], diff)
+
+
+def test_only_deepspeed_layouts_are_taken_for_deepspeed(tmp_path: Path) -> None:
+    """ds's own checkpoints (engine, pipeline) keep going to ds's loader."""
+    from ds_engine._deepspeed_ckpt import is_deepspeed_checkpoint
+
+    for name in sorted(fx.expected()["cases"]):
+        assert is_deepspeed_checkpoint(fx.FIXTURES / name / "step3"), name
+    engine_dir = tmp_path / "engine"
+    (engine_dir / "zero").mkdir(parents=True)
+    for file in ("mp_rank_00_model_states.pt", "rng_state_rank00000.pt"):
+        (engine_dir / file).write_bytes(b"")
+    pipe_dir = tmp_path / "pipe"
+    pipe_dir.mkdir()
+    for file in ("layer_00-model_states.pt", "pp_rank_00_dp_rank_00_states.pt"):
+        (pipe_dir / file).write_bytes(b"")
+    assert not is_deepspeed_checkpoint(engine_dir)
+    assert not is_deepspeed_checkpoint(pipe_dir)
+    assert not is_deepspeed_checkpoint(tmp_path / "absent")

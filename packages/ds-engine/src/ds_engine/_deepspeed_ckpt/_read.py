@@ -44,7 +44,9 @@ __all__ = ["DeepSpeedState", "deepspeed_tag_dir", "is_deepspeed_checkpoint", "re
 _MODEL = "mp_rank_00_model_states.pt"
 _ZERO_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
-_LAYER = re.compile(r"^layer_\d+-model_states\.pt$")
+_DS_OWN = re.compile(
+    r"^(rng_state_rank\d+\.pt|zero|zero_mp\d+|pp_rank_\d+_dp_rank_\d+_states\.pt|.*manifest.*)$"
+)
 _LAYER_INDEX = re.compile(r"^layer_(\d+)-model_states\.pt$")
 _EXPERT = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 # Keys of the model file that DeepSpeed owns; every other top-level key is the client state.
@@ -135,17 +137,15 @@ def deepspeed_tag_dir(load_dir: str | os.PathLike[str], tag: str | None) -> Path
 
 
 def is_deepspeed_checkpoint(path: Path) -> bool:
-    """Whether the tag directory ``path`` was written by DeepSpeed rather than ds (ds always
-    writes ``rng_state_rank*.pt``, and ``zero/`` for its ZeRO optimizer)."""
+    """Whether the tag directory ``path`` was written by DeepSpeed rather than ds: DeepSpeed's
+    model or ZeRO files are there and none of ds's own (``rng_state_rank*.pt``, ``zero/``, the
+    pipeline engine's ``pp_rank_XX_dp_rank_XX_states.pt``, a ds manifest)."""
     if not path.is_dir():
         return False
     names = [p.name for p in path.iterdir()]
-    if any(n.startswith("rng_state_rank") or n == "zero" or n.startswith("zero_mp") for n in names):
+    if any(_DS_OWN.match(n) for n in names):
         return False
-    return any(
-        n == _MODEL or _ZERO_OPTIM.match(n) or _ZERO3_MODEL.match(n) or _LAYER.match(n)
-        for n in names
-    )
+    return any(n == _MODEL or _ZERO_OPTIM.match(n) or _ZERO3_MODEL.match(n) for n in names)
 
 
 def _optim_files(path: Path) -> dict[int, Path]:
