@@ -179,3 +179,40 @@ def test_recovery_script_runs_without_ds(saved, tmp_path: Path) -> None:
     for file in set(index["weight_map"].values()):
         got.update(torch.load(tmp_path / "x" / file, weights_only=True))
     _equal(got, {k: v for k, v in want.items() if k != FROZEN})
+
+
+DEEPSPEED_FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_0.19.8"
+DSREF = Path("/tmp/dsref/bin/python")
+
+
+@pytest.mark.parametrize("case", ["zero2_fp32_w2", "zero3_bf16_w2"])
+def test_deepspeed_written_checkpoint(case: str, tmp_path: Path) -> None:
+    """A checkpoint real DeepSpeed wrote: the same state dict as DeepSpeed's own zero_to_fp32
+    (run from /tmp/dsref when present), lazily too, and sharded output from it."""
+    from ds_engine.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        to_torch_tensor,
+    )
+
+    folder = DEEPSPEED_FIXTURES / case
+    state = get_fp32_state_dict_from_zero_checkpoint(folder)
+    assert {k: v.dtype for k, v in state.items()} == dict.fromkeys(state, torch.float32)
+    _equal(to_torch_tensor(get_fp32_state_dict_from_zero_checkpoint(folder, lazy_mode=True)), state)
+    convert_zero_checkpoint_to_fp32_state_dict(folder, tmp_path / "out", max_shard_size="1KB")
+    index = json.loads((tmp_path / "out" / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"]) == set(state)
+    if not DSREF.exists():
+        pytest.skip("real DeepSpeed (/tmp/dsref) is not installed: compared with ds's reading only")
+    script = (
+        "import sys, torch; from deepspeed.utils.zero_to_fp32 import "
+        "get_fp32_state_dict_from_zero_checkpoint as f; "
+        "torch.save(f(sys.argv[1]), sys.argv[2])"
+    )
+    env = {"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [str(DSREF), "-c", script, str(folder), str(tmp_path / "ref.pt")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    _equal(state, torch.load(tmp_path / "ref.pt", weights_only=True))

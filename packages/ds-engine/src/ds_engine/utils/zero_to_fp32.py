@@ -4,7 +4,8 @@ DeepSpeed's script: ``python -m ds_engine.utils.zero_to_fp32 CHECKPOINT_DIR OUTP
 [-t TAG] [--safe_serialization] [--max_shard_size 5GB] [--exclude_frozen_parameters]``.
 
 These read checkpoints written by ds (``engine.save_checkpoint`` or
-``ds_zero.save_sharded_checkpoint``) of any stage and world size. ``get_model_state_file``,
+``ds_zero.save_sharded_checkpoint``) of any stage and world size, and ZeRO checkpoints (stages
+1-3) DeepSpeed wrote (read without running code by ``ds_engine._deepspeed_ckpt``). ``get_model_state_file``,
 ``get_optim_files`` and ``get_model_state_files`` find DeepSpeed's file names as DeepSpeed's do
 (Lightning calls them).
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 import ds_zero
+from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, is_deepspeed_checkpoint, read_checkpoint
 
 __all__ = [
     "main",
@@ -107,6 +109,46 @@ def to_torch_tensor(
     return out
 
 
+class _Loaded:
+    """A tensor already in memory, behind the lazy interface (``contiguous()``)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._value, self.shape, self.dtype = value, value.shape, value.dtype
+
+    def contiguous(self) -> torch.Tensor:
+        return self._value.clone()
+
+
+def _deepspeed_fp32(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None, exclude_frozen: bool
+) -> dict[str, torch.Tensor] | None:
+    """The fp32 state dict of a DeepSpeed-written ZeRO checkpoint; None for ds's own."""
+    root = Path(checkpoint_dir)
+    path = deepspeed_tag_dir(root, tag)
+    if path is None and tag is None and is_deepspeed_checkpoint(root):
+        path = root
+    if path is None:
+        return None
+    state = read_checkpoint(path, [])
+    if not state.fp32:
+        raise ValueError(
+            f"{str(path)!r} is a DeepSpeed checkpoint without ZeRO optimizer files (stage 0): "
+            "its mp_rank_00_model_states.pt 'module' already holds the whole weights"
+        )
+    shapes = {n: s for group in state.engine.get("param_shapes") or [] for n, s in group.items()}
+    frozen = set(state.engine.get("frozen_param_shapes") or {}) if exclude_frozen else set()
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.module.items():
+        if name in state.fp32:
+            out[name] = state.fp32[name].view(tuple(shapes.get(name, value.shape)))
+        elif name not in frozen and torch.is_tensor(value):
+            out[name] = value.float() if value.is_floating_point() else value
+    for alias, name in state.engine.get("shared_params") or []:
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     tag: str | None = None,
@@ -127,6 +169,12 @@ def get_fp32_state_dict_from_zero_checkpoint(
         >>> state = get_fp32_state_dict_from_zero_checkpoint("ckpts")
         >>> model.cpu().load_state_dict(state)
     """
+    deepspeed = _deepspeed_fp32(checkpoint_dir, tag, exclude_frozen_parameters)
+    if deepspeed is not None:
+        if not lazy_mode:
+            return deepspeed
+        loaded: dict[int, _Loaded] = {}
+        return {k: loaded.setdefault(id(v), _Loaded(v)) for k, v in deepspeed.items()}
     if lazy_mode:
         return ds_zero.lazy_fp32_state_dict(
             checkpoint_dir, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters
