@@ -178,6 +178,35 @@ def test_bf16_pipeline_keeps_fp32_masters_and_casts_inputs() -> None:
     assert results[0] == results[1]
 
 
+def _nan_body(rank: int, world_size: int) -> list[tuple[bool, bool]]:
+    import ds_engine
+
+    module = _module(2, 1)
+    cfg = _config(0, 2, 1)
+    del cfg["scheduler"]  # a warmup from lr 0 would leave the first step's weights unchanged
+    engine, _, _, _ = ds_engine.initialize(config=cfg, model=module)
+    if engine.is_last_stage():  # a nan loss on the last stage: every stage must skip
+        poison = {"on": False}
+        loss_fn = module.loss_fn
+        module.loss_fn = lambda out, y: loss_fn(out, y) * (float("nan") if poison["on"] else 1.0)
+    seen = []
+    for step in range(3):
+        if engine.is_last_stage():
+            poison["on"] = step == 1
+        before = [p.detach().clone() for p in module.parameters()]
+        engine.train_batch(iter([_batch(step, mb, 0) for mb in range(2)]))
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, module.parameters()))
+        seen.append((engine.was_step_applied(), unchanged))
+    assert all(bool(p.isfinite().all()) for p in module.parameters())
+    assert engine.skipped_steps == 1 and engine.global_steps == 3
+    return seen
+
+
+def test_a_nan_loss_without_a_loss_scaler_skips_the_pipeline_step_on_every_stage() -> None:
+    for seen in run_on_ranks(_nan_body, 2):
+        assert seen == [(True, False), (False, True), (True, False)]
+
+
 def _zero23_body(rank: int, world_size: int) -> list[str]:
     import ds_engine
 

@@ -195,6 +195,45 @@ def test_fp16_overflow_skips_the_step_on_every_rank(world_size: int) -> None:
         assert record["lr"][3] > record["lr"][2]
 
 
+def _nan_body(rank: int, world_size: int) -> dict:
+    import torch
+
+    import ds_engine
+    from ds_zero import GatheredParameters
+
+    seen = {}
+    for stage in (0, 1, 2, 3):
+        cfg = config(zero_optimization={"stage": stage})
+        engine, *_ = ds_engine.initialize(model=make_mlp(), config=cfg)
+        data = make_dataset(32)
+        record: dict = {"applied": [], "overflow": []}
+        for step in range(3):
+            x, y = (t[step * 8 + 4 * rank : step * 8 + 4 * rank + 4] for t in data.tensors)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            if step == 1 and rank == world_size - 1:
+                loss = loss * float("nan")  # no loss scaler, one rank: every rank must skip
+            engine.backward(loss)
+            engine.step()
+            record["applied"].append(engine.was_step_applied())
+            record["overflow"].append(bool(engine.optimizer.overflow))
+        with GatheredParameters(list(engine.module.parameters())):
+            record["finite"] = all(bool(p.isfinite().all()) for p in engine.module.parameters())
+        record["skipped"] = engine.skipped_steps
+        record["global_steps"] = engine.global_steps
+        seen[stage] = record
+        engine.destroy()
+    return seen
+
+
+def test_a_nan_gradient_without_a_loss_scaler_skips_the_step_at_every_stage() -> None:
+    for seen in run_on_ranks(_nan_body, 2, timeout=300):
+        for stage, record in seen.items():
+            assert record["applied"] == [True, False, True], stage
+            assert record["overflow"] == [False, True, False], stage
+            assert record["finite"] and record["skipped"] == 1, stage
+            assert record["global_steps"] == 3, stage
+
+
 def _onebit_body(rank: int, world_size: int) -> tuple[float, float, bool]:
     import ds_engine
 

@@ -171,7 +171,7 @@ def _zero_grad_body(rank: int, world_size: int, *, stage: int, clear: bool) -> l
         model.zero_grad(set_to_none=True)  # drops the first micro-batch's gradients
     else:
         zero.backward(loss * 0.0)
-    assert not zero.step()  # not the boundary: only counts the micro-batch
+    assert not zero.step().boundary  # not the boundary: only counts the micro-batch
     zero.backward(model(second))
     zero.step()
     assert zero.global_steps == 1

@@ -91,7 +91,7 @@ def _train(rank: int, world_size: int, config: Config, *, bucket: int) -> float:
     for step, batch in enumerate(global_batches(STEPS, ROWS)):
         for micro in micro_batches(batch, rank, world_size, accum):
             zero.backward(model(micro))
-            assert not zero.step()
+            assert not zero.step().skipped
         for n, p in model.named_parameters():  # partitioned again outside forward
             assert p.ds_persist or (
                 p.data.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
@@ -215,7 +215,7 @@ def _fp16_overflow_body(rank: int, world_size: int, *, overflow_step: int) -> di
             loss = loss * float("inf")  # only the last rank overflows
         before = [p.ds_tensor.clone() for p in model.parameters()]
         zero.backward(loss)
-        skipped.append(zero.step())
+        skipped.append(zero.step().skipped)
         scales.append(zero.loss_scale)
         if skipped[-1]:
             assert all(torch.equal(a, p.ds_tensor) for a, p in zip(before, model.parameters()))
@@ -254,7 +254,7 @@ def _clipped_fp16_body(rank: int, world_size: int) -> tuple[float, float]:
         )
         for batch in global_batches(STEPS, ROWS):
             zero.backward(model(next(micro_batches(batch, rank, world_size, 1))))
-            assert not zero.step()
+            assert not zero.step().skipped
         reference = reference_train(
             make_model(dtype), global_batches(STEPS, ROWS), Recipe(adam, clip)
         )
@@ -533,7 +533,7 @@ def _bf16_offload_body(rank: int, world_size: int) -> float:
     assert zero._fused_copy and len(zero.masters) > 1
     for batch in global_batches(STEPS, ROWS):
         zero.backward(model(next(micro_batches(batch, rank, world_size, 1))))
-        assert not zero.step()
+        assert not zero.step().skipped
     reference = reference_train(
         make_model(torch.bfloat16), global_batches(STEPS, ROWS), Recipe(adam)
     )

@@ -1,11 +1,14 @@
 """``DeepSpeedEngine``: a module, its optimizer and schedule, trained as a DeepSpeed config says.
 
 [Note: what the engine adds to ds-zero]
-``ds_zero.ZeroOptimizer`` owns gradients, reductions, loss scaling, clipping and the optimizer
-step for stages 0-2. The engine adds what DeepSpeed users expect around it: placing the model on
+ds-zero's gradient-step core (``ds_zero.ZeroOptimizer``, ``Stage3Optimizer`` or, for an
+optimizer that reduces its own gradients, ``SelfReducingStep``; built by ``_build.py`` for this
+engine and the pipeline engine alike) owns the accumulation window, gradients, reductions, loss
+scaling, clipping and the optimizer step, and reports each step as a ``ds_optim.StepResult``;
+the engine drives it through the ``ds_optim.GradientStep`` protocol. The engine adds what DeepSpeed users expect around it: placing the model on
 the accelerator's device and casting its parameters to fp16/bf16, building the optimizer and LR schedule from the config (or taking the client's),
-counting micro-batches (``step()`` is called after every micro-batch and only steps at the
-accumulation boundary), stepping the schedule only on steps that were not skipped for overflow,
+calling the core's ``step()`` after every micro-batch (the core says whether it stepped), stepping
+the schedule only on steps that were not skipped for overflow,
 the data loader, checkpoints and what rank 0 prints.
 """
 
@@ -21,9 +24,9 @@ from torch import nn
 import ds_comm
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
+from ds_engine._build import build_client_optimizer, build_gradient_step, build_scheduler
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
-from ds_engine._local_step import SelfReducingStep
 from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
 from ds_engine._monitor import build_monitor
 from ds_engine._nvme import nvme_swapper
@@ -35,8 +38,8 @@ from ds_engine._placement import (
 )
 from ds_engine._progress import Progress, Timers, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
-from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
-from ds_zero import MemoryBreakdown, build_zero_optimizer
+from ds_optim import GradientStep, build_loss_scaler
+from ds_zero import MemoryBreakdown
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -108,7 +111,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         self.client_lr_scheduler = lr_scheduler
         self.self_reducing = bool(getattr(client, "reduces_gradients", False))
         self.loss_scaler = build_loss_scaler(config.fp16) if config.fp16.enabled else None
-        self.optimizer: Any = self._wrap(client) if client is not None else None
+        self.optimizer: GradientStep | None = self._wrap(client) if client is not None else None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.global_steps = 0
         self.global_samples = 0
@@ -149,45 +152,15 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         params = model_parameters if model_parameters is not None else self.module.parameters()
         if self.expert_groups is not None:
             params = moe_param_groups(params)
-        section = self._config.optimizer
-        if optimizer is not None and section is not None:
-            raise ConfigError(
-                "optimizer: both a client optimizer and an 'optimizer' config section were "
-                "given; remove one of them"
-            )
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        if callable(optimizer):
-            return optimizer(params)
-        if section is None:
-            return None
-        return build_optimizer(
-            section,
-            params,
-            offload=self._config.zero_optimization.offload_optimizer.enabled,
-            group=self.dp_group,
-        )
+        return build_client_optimizer(self._config, optimizer, params, group=self.dp_group)
 
-    def _wrap(self, client: torch.optim.Optimizer) -> Any:
+    def _wrap(self, client: torch.optim.Optimizer) -> GradientStep:
         config = self._config
-        if self.self_reducing:
-            if self.expert_groups is not None:
-                raise ConfigError(
-                    f"optimizer {type(client).__name__} reduces its own gradients over one "
-                    "group, which MoE expert parameters cannot use; choose Adam/AdamW or another "
-                    "optimizer that ds-zero reduces"
-                )
-            if config.zero_optimization.stage != 0:
-                raise ConfigError(
-                    f"zero_optimization.stage = {config.zero_optimization.stage}: "
-                    f"{type(client).__name__} reduces its own gradients and needs stage 0"
-                )
-            return SelfReducingStep(
-                self.module,
-                client,
-                group=self.dp_group,
-                loss_scaler=self.loss_scaler,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
+        if self.self_reducing and self.expert_groups is not None:
+            raise ConfigError(
+                f"optimizer {type(client).__name__} reduces its own gradients over one "
+                "group, which MoE expert parameters cannot use; choose Adam/AdamW or another "
+                "optimizer that ds-zero reduces"
             )
         mp_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
         if mp_size > 1 and config.gradient_clipping > 0:
@@ -198,14 +171,16 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
                 f"(size {mp_size}) is not supported yet: the global norm would need the "
                 "model-parallel group too; set gradient_clipping to 0"
             )
-        return build_zero_optimizer(
+        if self.self_reducing:
+            return build_gradient_step(
+                self.module, client, config, group=self.dp_group, loss_scaler=self.loss_scaler
+            )
+        return build_gradient_step(
             self.module,
             client,
-            config.zero_optimization,
+            config,
             group=self.dp_group,
             loss_scaler=self.loss_scaler,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            gradient_clipping=config.gradient_clipping,
             swapper=nvme_swapper(config, self.module),
             param_group_process_groups=process_groups_of(client, self.expert_groups),
             # prescale_gradients: all of the averaging before the sum (see docs/engine.md)
@@ -216,21 +191,8 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None and self._config.scheduler is not None:
-            raise ConfigError(
-                "scheduler: both a client lr_scheduler and a 'scheduler' config section were "
-                "given; remove one of them"
-            )
-        if self.optimizer is None:
-            return None
-        torch_optimizer = self.optimizer.optimizer
-        if lr_scheduler is not None:
-            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-                return lr_scheduler(torch_optimizer)
-            return lr_scheduler
-        if self._config.scheduler is None:
-            return None
-        return build_lr_scheduler(self._config.scheduler, torch_optimizer)
+        torch_optimizer = self.optimizer.optimizer if self.optimizer is not None else None
+        return build_scheduler(self._config, lr_scheduler, torch_optimizer)
 
     # --- training --------------------------------------------------------------------------------
 
@@ -274,7 +236,10 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         return loss / gas if scale_wrt_gas else loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-batch is the last of its accumulation window."""
+        """Whether the current micro-batch is the last of its accumulation window (the
+        gradient step keeps the window; without an optimizer, the micro-batches are counted)."""
+        if self.optimizer is not None:
+            return self.optimizer.is_gradient_accumulation_boundary()
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
@@ -309,33 +274,27 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """Call after every ``backward``: steps the optimizer and the LR schedule at the
-        accumulation boundary (the schedule not on steps skipped for fp16 overflow, with
-        ``lr_kwargs`` as keyword arguments of its ``step``)."""
+        accumulation boundary (the schedule not on steps skipped for non-finite gradients, with
+        ``lr_kwargs`` as keyword arguments of its ``step``). The gradient step keeps the window
+        and says what it did (a :class:`ds_optim.StepResult`)."""
         optimizer = self._require_optimizer()
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        self._step_applied = False
-        if not boundary:
-            return
-        before = (optimizer.global_steps, optimizer.skipped_steps)
         with self.timers("step"):
-            optimizer.step()
-        stepped = optimizer.global_steps != before[0]
-        skipped = optimizer.skipped_steps != before[1]
-        if not (stepped or skipped):
+            result = optimizer.step()
+        self.micro_steps += 1
+        self._step_applied = result.applied
+        if not result.boundary:
             return
         self.global_steps += 1
         self.global_samples += self._config.train_batch_size
-        if skipped:
+        if result.overflow:
             self.skipped_steps += 1
+            cause = "fp16 gradient overflow" if self.loss_scaler is not None else "inf/nan gradient"
             self.progress.write(
-                f"step {self.global_steps}: fp16 gradient overflow, step skipped on all ranks; "
-                f"loss scale -> {optimizer.loss_scale:g}"
+                f"step {self.global_steps}: {cause}, step skipped on all ranks; "
+                f"loss scale -> {result.loss_scale:g}"
             )
-        else:
-            self._step_applied = True
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self._report()
 
     def was_step_applied(self) -> bool:
@@ -391,14 +350,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
     def memory_usage(self) -> MemoryBreakdown:
         """Bytes this rank holds for parameters, gradients and optimizer state (ds-zero's
         breakdown; ``memory_breakdown()`` is DeepSpeed's config flag)."""
-        optimizer = self._require_optimizer()
-        if isinstance(optimizer, SelfReducingStep):
-            params = sum(p.nbytes for p in self.module.parameters())
-            state = optimizer.optimizer.state.values()
-            states = sum(v.nbytes for s in state for v in s.values() if torch.is_tensor(v))
-            grads = sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
-            return MemoryBreakdown(params=params, grads=grads, optimizer_state=states)
-        return optimizer.memory_breakdown()
+        return self._require_optimizer().memory_breakdown()
 
     def deepspeed_io(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -48,10 +49,10 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _is_pipeline_module(model: Any) -> bool:
-    cls = type(model)
-    return any(
-        c.__module__.startswith("ds_pipe") and c.__name__ == "PipelineModule" for c in cls.__mro__
-    )
+    """Whether ``model`` is a ds-pipe ``PipelineModule`` (a type check, not a name test; when
+    ds-pipe was never imported no model can be one, so it is not imported here for nothing)."""
+    ds_pipe = sys.modules.get("ds_pipe")
+    return ds_pipe is not None and isinstance(model, ds_pipe.PipelineModule)
 
 
 def initialize(

@@ -8,11 +8,13 @@ is the module topology's ``data`` axis), the optimizer and LR schedule (config s
 client's), fp16/bf16 (the module is cast; fp16 gets the ``fp16`` section's loss scaler),
 ``gradient_clipping`` (the global norm over every stage and replica), and checkpoints.
 
-ZeRO: stage 1 runs through :class:`ZeroStage1Step`, a ``ds_pipe.GradientStep`` over
-``ds_zero.ZeroOptimizer``: every micro-batch's backward accumulates locally, the tied-weight
-gradients are summed, and ``ZeroOptimizer.step()`` then reduce-scatters, takes the norm over the
-data group and the pipeline group (``norm_group``, tied copies excluded) and steps the sharded
-optimizer. Stages 2 and 3 are refused as in DeepSpeed: they reduce (and shard) gradients in every
+The gradient step is ds-zero's core, built by ``_build.py`` exactly as for the engine (stage 0
+or 1) and handed to ``ds_pipe.PipelineEngine``, which drives it through the
+``ds_optim.GradientStep`` protocol: every micro-batch's backward accumulates locally (the
+pipeline holds the core's boundary False), the tied-weight gradients are summed, and at the
+schedule's step the core reduces (all-reduce at stage 0, reduce-scatter at stage 1), takes the
+norm over the data group and the pipeline group (``norm_group``, tied copies excluded), checks
+it for inf/nan, clips and steps. Stages 2 and 3 are refused as in DeepSpeed: they reduce (and shard) gradients in every
 micro-batch's backward, which fights the pipeline's accumulation over micro-batches (stage 2
 would reduce every micro-batch of every stage; stage 3 would also gather parameters per
 micro-batch).
@@ -30,7 +32,7 @@ loads only the layers, so it works across stage counts.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +41,7 @@ import ds_comm
 from ds_engine import __version__
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
+from ds_engine._build import build_client_optimizer, build_gradient_step, build_scheduler
 from ds_engine._checkpoint import check_client_state, resolve_checkpoint, tag_directory
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_pipeline_checkpoint
 from ds_engine._engine_surface import EngineSurface
@@ -52,11 +55,11 @@ from ds_engine._placement import (
 )
 from ds_engine._progress import Timers
 from ds_engine.api import ConfigError, DeepSpeedConfig
-from ds_optim import build_loss_scaler, build_lr_scheduler, build_optimizer
-from ds_pipe import PipelineEngine, StepResult
-from ds_zero import ZeroOptimizer, save_fsynced
+from ds_optim import GradientStep, build_loss_scaler
+from ds_pipe import PipelineEngine
+from ds_zero import save_fsynced
 
-__all__ = ["PipelineDeepSpeedEngine", "ZeroStage1Step", "check_pipeline_config"]
+__all__ = ["PipelineDeepSpeedEngine", "check_pipeline_config"]
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -77,49 +80,6 @@ def check_pipeline_config(config: DeepSpeedConfig) -> None:
             "zero_optimization.offload_optimizer with a PipelineModule is not supported; remove "
             "offload_optimizer or train without a pipeline"
         )
-
-
-class ZeroStage1Step:
-    """A ``ds_pipe.GradientStep`` over a stage-1 ``ds_zero.ZeroOptimizer``: backward passes
-    accumulate locally; ``step()`` reduces, clips by the pipeline-wide norm and steps.
-
-    Args:
-        zero: the ZeRO optimizer over this stage's parameters, built with the data-parallel
-            group, ``gradient_accumulation_steps`` = micro-batches, ``norm_group`` = the
-            pipeline group and ``norm_exclude`` = the module's ``tied_params_owned_elsewhere()``.
-    """
-
-    def __init__(self, zero: ZeroOptimizer) -> None:
-        self.zero = zero
-        self.optimizer = zero.optimizer
-        # Off the boundary, backward keeps gradients local: tied weights are summed over
-        # their tie group first, and step() reduces what is left unreduced.
-        zero.set_gradient_accumulation_boundary(False)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.zero.loss_scale
-
-    def backward(
-        self, tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.Tensor] | None = None
-    ) -> None:
-        if grad_tensors is None:
-            (loss,) = tensors
-            self.zero.backward(loss)
-        else:
-            self.zero.backward(list(tensors), grad_tensors=list(grad_tensors))
-
-    def reduce_gradients(self) -> None:
-        """Deferred: ``ZeroOptimizer.step()`` reduces the gradients backward left local."""
-
-    def step(self) -> StepResult:
-        self.zero.set_gradient_accumulation_boundary(True)
-        try:
-            skipped = self.zero.step()
-        finally:
-            self.zero.set_gradient_accumulation_boundary(False)
-        norm = self.zero.get_global_grad_norm()
-        return StepResult(skipped=bool(skipped), grad_norm=None if norm is None else float(norm))
 
 
 def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
@@ -174,23 +134,24 @@ class PipelineDeepSpeedEngine(EngineSurface):
         self.micro_steps = 0  # micro-batches trained
         self.batch_fn: Any = None
         self.has_attention_mask = False
-        grad_step = None
-        self.zero: ZeroOptimizer | None = None
-        # ZeRO stage 1 shards the optimizer state; fp16/bf16 need its fp32 master weights (a
-        # plain optimizer would step the 16-bit parameters themselves), at stage 0 too.
-        if client is not None and (config.zero_optimization.stage == 1 or self.low is not None):
-            self.zero = ZeroOptimizer(
+        # the same core as the engine's: fp32 masters for fp16/bf16, sharded state at stage 1
+        self.zero: GradientStep | None = None
+        if getattr(client, "reduces_gradients", False):
+            raise ConfigError(
+                f"optimizer {type(client).__name__} reduces its own gradients, which a "
+                "PipelineModule does not support (the pipeline's norm and tied weights need the "
+                "reduced gradients); choose Adam/AdamW or another optimizer that ds-zero reduces"
+            )
+        if client is not None:
+            self.zero = build_gradient_step(
                 module,
                 client,
-                config.zero_optimization,
+                config,
                 group=self.grid.get_group("data"),
                 loss_scaler=self.loss_scaler,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
-                gradient_clipping=config.gradient_clipping,
                 norm_group=self.grid.get_group("pipe"),
                 norm_exclude=module.tied_params_owned_elsewhere(),
             )
-            grad_step = ZeroStage1Step(self.zero)
         self.optimizer = client
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.pipe = PipelineEngine(
@@ -201,7 +162,7 @@ class PipelineDeepSpeedEngine(EngineSurface):
             gradient_clipping=config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             lr_scheduler=self.lr_scheduler,
-            grad_step=grad_step,
+            grad_step=self.zero,
         )
         self.training_dataloader: DeepSpeedDataLoader | None = None
         if training_data is not None:
@@ -224,36 +185,12 @@ class PipelineDeepSpeedEngine(EngineSurface):
         move_module(module, self.device)
 
     def _client_optimizer(self, optimizer: Any, model_parameters: Any) -> Any:
-        section = self._config.optimizer
-        if optimizer is not None and section is not None:
-            raise ConfigError(
-                "optimizer: both a client optimizer and an 'optimizer' config section were "
-                "given; remove one of them"
-            )
         params = model_parameters if model_parameters is not None else self.module.parameters()
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        if callable(optimizer):
-            return optimizer(params)
-        if section is None:
-            return None
-        return build_optimizer(section, params, group=self.grid.get_group("data"))
+        group = self.grid.get_group("data")
+        return build_client_optimizer(self._config, optimizer, params, group=group)
 
     def _scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None and self._config.scheduler is not None:
-            raise ConfigError(
-                "scheduler: both a client lr_scheduler and a 'scheduler' config section were "
-                "given; remove one of them"
-            )
-        if self.optimizer is None:
-            return None
-        if lr_scheduler is not None:
-            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-                return lr_scheduler(self.optimizer)
-            return lr_scheduler
-        if self._config.scheduler is None:
-            return None
-        return build_lr_scheduler(self._config.scheduler, self.optimizer)
+        return build_scheduler(self._config, lr_scheduler, self.optimizer)
 
     # --- the pipeline surface ------------------------------------------------------------------
 
@@ -445,11 +382,8 @@ class PipelineDeepSpeedEngine(EngineSurface):
         super().set_train_batch_size(train_batch_size)
         gas = self._config.gradient_accumulation_steps
         self.pipe.micro_batches = gas
-        step = self.pipe.grad_step
         if self.zero is not None:
             self.zero.gradient_accumulation_steps = gas
-        elif step is not None and hasattr(step, "micro_batches"):
-            step.micro_batches = gas
 
     def get_additional_losses(self) -> None:
         """None: ds's pipeline modules return one loss (no auxiliary losses are aggregated)."""
@@ -537,7 +471,7 @@ class PipelineDeepSpeedEngine(EngineSurface):
     def load_module_state_dict(self, checkpoint: Mapping[str, Any], *args: Any, **kwargs: Any):
         """Load this stage's layers from ``checkpoint["module"]`` (fp32 masters refreshed)."""
         super().load_module_state_dict(checkpoint, *args, **kwargs)
-        if self.zero is not None:
+        if self.zero is not None and hasattr(self.zero, "refresh_fp32_params"):
             self.zero.refresh_fp32_params()
 
     def zero_grad(self) -> None:
@@ -631,7 +565,7 @@ class PipelineDeepSpeedEngine(EngineSurface):
         if path is None:
             return None, None
         self.module.load_state_dir(path, strict=load_module_strict)
-        if self.zero is not None:
+        if self.zero is not None and hasattr(self.zero, "refresh_fp32_params"):
             self.zero.refresh_fp32_params()
         if load_module_only:
             return str(path), {}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ds_optim import GradientStep, StepResult
 from ds_pipe._engine import PipelineEngine
-from ds_pipe._grad_step import DataParallelStep, GradientStep, StepResult
+from ds_pipe._grad_step import DataParallelStep
 from ds_pipe._layer_checkpoint import layer_checkpoint_name, load_layers_into
 from ds_pipe._module import PipelineModule, TiedGroup, checkpoint_non_reentrant
 from ds_pipe._p2p import PipelineAbortedError

@@ -14,8 +14,10 @@ averaged over the replicas; otherwise the last stage sends its mean loss to the 
 which posted the receive with their first activation send (no collective latency at the end).
 Either way every rank waits there on the engine's own group before any collective of another
 group (tied weights, data parallelism), which is where a failed stage is noticed (see [Note:
-failing every stage] in ``_p2p.py``). Then the tied-weight reduction and the
-:class:`~ds_pipe._grad_step.GradientStep`.
+failing every stage] in ``_p2p.py``). Then the tied-weight reduction and the gradient step
+(a :class:`ds_optim.GradientStep`: ds-zero's core under ds-engine): backward passes accumulate
+with the step's boundary held False, and at the schedule's ``OptimizerStep`` the boundary is set,
+the step taken and its :class:`ds_optim.StepResult` kept.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 import ds_comm
 from ds_comm.accelerator import get_accelerator
-from ds_pipe._grad_step import DataParallelStep, GradientStep, StepResult
+from ds_optim import GradientStep, StepResult
+from ds_pipe._grad_step import DataParallelStep
 from ds_pipe._p2p import (
     PipeChannels,
     PipelineAbortedError,
@@ -108,9 +111,9 @@ class PipelineEngine:
         gradient_clipping: clip the global gradient norm to this (0: off).
         loss_scaler: a ds-optim loss scaler (fp16); overflow skips agree across all ranks.
         lr_scheduler: stepped after every optimizer step that was not skipped.
-        grad_step: a :class:`GradientStep` replacing the default :class:`DataParallelStep`
-            (ds-engine passes a ZeRO stage-1 one); then ``gradient_clipping`` and
-            ``loss_scaler`` are the step's business.
+        grad_step: the :class:`ds_optim.GradientStep` to drive instead of the standalone
+            :class:`DataParallelStep` (ds-engine passes ds-zero's gradient-step core); then
+            ``gradient_clipping`` and ``loss_scaler`` are the step's business.
 
     Attributes:
         global_steps: batches trained (skipped steps included).
@@ -177,14 +180,15 @@ class PipelineEngine:
                 gradient_clipping=gradient_clipping,
                 loss_scaler=loss_scaler,
             )
-        self.grad_step = grad_step
+        self.grad_step: GradientStep | None = grad_step
+        if grad_step is not None:  # the schedule, not a count of backward passes, ends a batch
+            grad_step.set_gradient_accumulation_boundary(False)
         self.optimizer = (
             optimizer if optimizer is not None else getattr(grad_step, "optimizer", None)
         )
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
         self.skipped_steps = 0
-        self.last_step: StepResult | None = None
         self.data_iterator: Iterator[Any] | None = None
         self._state = _BatchState(mode="train")
         self._plans: dict[
@@ -294,6 +298,11 @@ class PipelineEngine:
         if self.optimizer is None:
             return []
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def last_step(self) -> StepResult | None:
+        """What the gradient step did at the end of the last ``train_batch`` (None before)."""
+        return self.grad_step.last_result if self.grad_step is not None else None
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (every stage and replica; see
@@ -461,14 +470,14 @@ class PipelineEngine:
         outputs = state.outputs.pop(key)
         if cmd.chunk_id == self._last_chunk:
             state.losses[cmd.micro_batch_id] = outputs.detach().reshape(())
-            self.grad_step.backward([outputs])
+            self.grad_step.backward(outputs)
         else:
             grads = state.grads.pop(key)
             # the gradient came back: the output was received, its send buffer can go
             self.channels.release(cmd.chunk_id, cmd.micro_batch_id)
             pairs = [(o, g) for o, g in zip(as_tensor_tuple(outputs, ""), grads) if g is not None]
             if pairs:
-                self.grad_step.backward([o for o, _ in pairs], [g for _, g in pairs])
+                self.grad_step.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
         if cmd.chunk_id == 0:
             state.inputs.pop(key)
 
@@ -516,8 +525,12 @@ class PipelineEngine:
         self.grad_step.reduce_gradients()
 
     def _exec_optimizer_step(self, cmd: OptimizerStep) -> None:
-        result = self.grad_step.step()
-        self.last_step = result
+        step = self.grad_step
+        step.set_gradient_accumulation_boundary(True)
+        try:
+            result = step.step()
+        finally:
+            step.set_gradient_accumulation_boundary(False)
         if result.skipped:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:

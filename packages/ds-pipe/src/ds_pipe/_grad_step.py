@@ -1,4 +1,10 @@
-"""The gradient step of a pipeline batch: reduce, norm, clip, overflow check, optimizer step.
+"""The standalone gradient step of a pipeline batch: reduce, norm, non-finite check, clip,
+optimizer step.
+
+The pipeline engine drives a :class:`ds_optim.GradientStep`. Under ``ds_engine.initialize()``
+that is ds-zero's gradient-step core (the same one the engine drives); :class:`DataParallelStep`
+is only the default of a ``PipelineEngine`` built by hand without one (ds-pipe does not depend
+on ds-zero), and follows the same non-finite policy.
 
 [Note: the global gradient norm of a pipeline]
 Clipping must see the norm of the *whole* model's gradient: every stage's, each element once.
@@ -9,77 +15,33 @@ data-parallel reduction, leaving out tied weights whose copy on a lower stage is
 (``PipelineModule.tied_params_owned_elsewhere()``), and the squares are summed over every rank
 of the topology. After the reduction the data-parallel replicas hold identical gradients, so
 the sum counts each element ``dp`` times and is divided by ``dp``. The same all-reduce carries
-inf/nan, so an fp16 overflow anywhere skips the step on every rank.
+inf/nan, so a non-finite gradient anywhere skips the step on every rank (ds-optim's [Note: one
+non-finite policy]: with a loss scaler the scale is lowered, without one a warning is logged).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import ds_comm
 from ds_comm.accelerator import get_accelerator
-from ds_optim import global_grad_norm
+from ds_optim import GradientStep, StepResult, global_grad_norm
 
 __all__ = ["DataParallelStep", "GradientStep", "StepResult"]
 
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one gradient step did.
-
-    Attributes:
-        skipped: True when an inf/nan gradient (fp16 overflow) skipped the optimizer step.
-        grad_norm: the global L2 norm of the unscaled gradients before clipping; None when
-            neither clipping nor a loss scaler needed it (one all-reduce saved, as DeepSpeed).
-    """
-
-    skipped: bool
-    grad_norm: float | None
-
-
-@runtime_checkable
-class GradientStep(Protocol):
-    """What the pipeline engine asks of a gradient step; ds-engine passes a ZeRO stage-1 one.
-
-    ``backward`` runs once per micro-batch on each chunk; ``reduce_gradients`` and ``step`` once
-    per batch, after the schedule's last backward and the tied-gradient reduction.
-    """
-
-    optimizer: torch.optim.Optimizer
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 without one)."""
-        ...
-
-    def backward(
-        self, tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.Tensor] | None = None
-    ) -> None:
-        """Backpropagate: ``tensors`` is ``[loss]`` (unscaled; the step scales it by the loss
-        scale over the micro-batches) with ``grad_tensors`` None, or a stage's outputs with
-        the gradients received for them (already scaled)."""
-        ...
-
-    def reduce_gradients(self) -> None:
-        """Reduce the batch's gradients over the data-parallel replicas (may be deferred to
-        :meth:`step`)."""
-        ...
-
-    def step(self) -> StepResult:
-        """Take the global norm, clip, check overflow, step the optimizer and clear the
-        gradients."""
-        ...
+logger = logging.getLogger("ds_pipe")
 
 
 class DataParallelStep:
-    """The default :class:`GradientStep`: all-reduce over the data-parallel group, then one
-    global norm over every rank (see [Note: the global gradient norm of a pipeline]).
+    """The standalone :class:`ds_optim.GradientStep`: all-reduce over the data-parallel group,
+    then one global norm over every rank (see [Note: the global gradient norm of a pipeline]).
+    The pipeline engine sets the boundary around ``step()``; backward passes accumulate.
 
     Args:
         params: the parameters this rank trains (the stage's).
@@ -118,6 +80,9 @@ class DataParallelStep:
         self._excluded = {id(p) for p in norm_exclude}
         self.gradient_clipping = float(gradient_clipping)
         self.loss_scaler = loss_scaler
+        self.gradient_accumulation_steps = micro_batches
+        self.last_result: StepResult | None = None
+        self.boundary_override: bool | None = None
         self.dp_world_size = _size(data_group)
         if self.dp_world_size > 1:  # replicas start from identical weights, as ds-zero does
             src = _first_rank(data_group)
@@ -130,13 +95,41 @@ class DataParallelStep:
         return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
 
     def backward(
-        self, tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.Tensor] | None = None
+        self,
+        loss: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        retain_graph: bool = False,
+        grad_tensors: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
+        tensors = [loss] if torch.is_tensor(loss) else list(loss)
         if grad_tensors is None:
-            (loss,) = tensors
-            (loss * (self.loss_scale / self.micro_batches)).backward()
+            (value,) = tensors
+            (value * (self.loss_scale / self.micro_batches)).backward(retain_graph=retain_graph)
         else:
-            torch.autograd.backward(list(tensors), grad_tensors=list(grad_tensors))
+            torch.autograd.backward(tensors, list(grad_tensors), retain_graph=retain_graph)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return bool(self.boundary_override)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        self.boundary_override = is_boundary
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.last_result.grad_norm if self.last_result is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def memory_breakdown(self) -> Any:
+        raise NotImplementedError(
+            "memory_breakdown() is ds-zero's: build the pipeline through ds_engine.initialize()"
+        )
 
     def _reduce(self, grads: list[torch.Tensor]) -> None:
         """Average ``grads`` over the data-parallel replicas, one flat buffer per dtype."""
@@ -170,25 +163,33 @@ class DataParallelStep:
             self._reduce([p.grad for p in self.params])
 
     def step(self) -> StepResult:
+        self.last_result = self._step()
+        return self.last_result
+
+    def _step(self) -> StepResult:
+        if not self.boundary_override:
+            return StepResult.not_due(self.loss_scale)
         grads = [p.grad for p in self.params if p.grad is not None]
         scale = self.loss_scale
-        if self.gradient_clipping == 0 and self.loss_scaler is None:
-            if scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / scale)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(skipped=False, grad_norm=None)
         counted = [p.grad for p in self.params if id(p) not in self._excluded]
         norm = self._global_norm(counted) / scale
-        if not math.isfinite(norm):
-            if self.loss_scaler is None:
-                raise FloatingPointError(
-                    f"the global gradient norm is {norm}: a gradient holds inf/nan (check the "
-                    "loss and the inputs, or enable fp16 loss scaling to skip such steps)"
+        if not math.isfinite(norm):  # every rank sees the same norm: every rank skips
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            else:
+                logger.warning(
+                    "the global gradient norm is %s: a gradient holds inf/nan, so the optimizer "
+                    "step was skipped on every rank (check the loss and the inputs)",
+                    norm,
                 )
-            self.loss_scaler.update_scale(True)
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(skipped=True, grad_norm=norm)
+            return StepResult(
+                boundary=True,
+                applied=False,
+                overflow=True,
+                grad_norm=norm,
+                loss_scale=self.loss_scale,
+            )
         coef = 1.0 / scale
         if self.gradient_clipping > 0:  # torch's and DeepSpeed's rule
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
@@ -198,7 +199,7 @@ class DataParallelStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
-        return StepResult(skipped=False, grad_norm=norm)
+        return StepResult(boundary=True, applied=True, grad_norm=norm, loss_scale=self.loss_scale)
 
 
 def _device_of(params: Sequence[torch.Tensor]) -> torch.device:

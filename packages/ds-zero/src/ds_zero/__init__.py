@@ -14,6 +14,7 @@ from ds_zero._checkpoint import (
     verify_checkpoint,
 )
 from ds_zero._consolidate import (
+    CheckpointView,
     LazyFp32Tensor,
     consolidate,
     iter_fp32_tensors,
@@ -44,6 +45,7 @@ from ds_zero._leaf import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from ds_zero._local import SelfReducingStep
 from ds_zero._memory import (
     estimate_model_states,
     estimate_zero2_model_states_mem_needs,
@@ -81,6 +83,7 @@ __all__ = [
     "ConfigError",
     # training
     "ZeroOptimizer",
+    "SelfReducingStep",
     "TensorSwapper",
     # stage 3
     "Stage3Optimizer",
@@ -125,6 +128,7 @@ __all__ = [
     "iter_fp32_tensors",
     "lazy_fp32_state_dict",
     "LazyFp32Tensor",
+    "CheckpointView",
     "write_recovery_script",
     "export_safetensors",
     # memory

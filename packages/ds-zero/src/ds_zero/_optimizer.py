@@ -1,23 +1,12 @@
 """``ZeroOptimizer``: a model and any elementwise ``torch.optim`` optimizer, trained with ZeRO
 stage 0, 1 or 2 over a data-parallel group.
 
-[Note: one step]
-``backward(loss)`` scales the loss (loss scale / accumulation steps) and runs autograd; hooks
-reduce gradients as described in ``_reduce.py``. ``step()`` at the accumulation boundary:
-
-1. makes each group's fp32 gradient for the master partition: the stage 2 / offload shard
-   itself when it is fp32, else a transient fp32 copy (the own shards of the flat buffer for
-   stage 1, the whole buffer for stage 0);
-2. takes the global L2 norm of those gradients over the group (stages 1/2 hold disjoint shards;
-   stage 0 holds the whole and communicates nothing). With a loss scaler a non-finite norm is an
-   overflow: every rank sees the same norm, so every rank skips the step, zeroes the gradients
-   and lowers the scale;
-3. scales the gradients once by ``1 / (loss_scale * clip)`` with DeepSpeed's clip rule
-   ``clip = max(1, (norm + 1e-6) / gradient_clipping)`` on the unscaled norm;
-4. steps the wrapped optimizer on the master partitions (one flat tensor per group; on CPU
-   in slices, see [Note: stepping a flat master in slices]);
-5. writes the updated partitions back into the model's parameters in their dtype and gathers
-   every rank's partition (see ``_gather.py``), then zeroes the gradients.
+The step itself is the core's (``_core.py``, [Note: one step]); this class supplies the flat
+layout: gradients in flat per-group buckets (``_reduce.py``), fp32 master partitions, and the
+write-back that gathers every rank's partition (``_gather.py``). The master gradient of a group
+is the stage 2 / offload shard itself when it is fp32, else a transient fp32 copy (the own shards
+of the flat buffer for stage 1, the whole buffer for stage 0); stages 1/2 take the norm over the
+group (disjoint shards), stage 0 locally (the whole, identical on every rank after the reduction).
 
 For stage 0 with fp32 parameters the master *is* the flat parameter buffer and its gradient the
 flat gradient buffer (no copies, as plain DDP). Any optimizer whose update is elementwise works
@@ -40,13 +29,13 @@ import ds_comm
 import ds_optim
 from ds_optim import global_grad_norm
 from ds_zero._checkpoint import FORMAT, resolve_states
+from ds_zero._core import GradientCore
 from ds_zero._gather import gather_partition
 from ds_zero._layout import FlatGroup, build_layout
 from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
 from ds_zero._param_access import register_param_owner
 from ds_zero._reduce import GradReducer, ReduceContext
 from ds_zero._shards import ShardLookup, TensorShard
-from ds_zero._window import AccumulationWindow
 from ds_zero._zero_shards import zero_checkpoint_shards, zero_load_checkpoint_shards
 from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
@@ -100,7 +89,7 @@ def _trainable_groups(
     return groups
 
 
-class ZeroOptimizer(AccumulationWindow):
+class ZeroOptimizer(GradientCore):
     """ZeRO stage 0/1/2 around ``model`` and ``optimizer`` over a data-parallel group.
 
     The model's trainable parameters become views into flat per-group buffers, the optimizer's
@@ -216,12 +205,7 @@ class ZeroOptimizer(AccumulationWindow):
                 swapper = default_swapper(min(largest, 64 << 20), offload.buffer_count)
             folder = Path(str(offload.nvme_path)) / "ds_zero" / f"rank{dist_rank()}"
             self._swap = StateSwap(swapper, optimizer, self.masters, folder)
-        self.micro_steps = 0  # backward passes
-        self._window = 0  # backward passes since the last optimizer step
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self._boundary: bool | None = None
-        self._grad_norm: float | None = None
+        self._init_core()
         register_param_owner(self, (p for g in self.groups for p in g.params))
 
     # --- construction ----------------------------------------------------------------------------
@@ -266,71 +250,31 @@ class ZeroOptimizer(AccumulationWindow):
 
     # --- backward and step -----------------------------------------------------------------------
 
-    def backward(
-        self,
-        loss: torch.Tensor | Sequence[torch.Tensor],
-        *,
-        retain_graph: bool = False,
-        grad_tensors: Sequence[torch.Tensor | None] | None = None,
-    ) -> None:
-        """Backpropagate ``loss * loss_scale / gradient_accumulation_steps`` and reduce gradients.
+    # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
 
-        Stage 2 reduces in every micro-batch; stages 0/1 only at the accumulation boundary. With
-        ``grad_tensors`` (a pipeline stage that received the gradients of its outputs), ``loss``
-        is those outputs and the gradients are used as given: they carry the scaling already.
-        """
-        reduce = self.config.shard_gradients or self.is_gradient_accumulation_boundary()
-        scale = self.loss_scale / self.gradient_accumulation_steps
-        self.reducer.begin(reduce)
-        try:
-            if grad_tensors is not None:
-                outputs = [loss] if torch.is_tensor(loss) else list(loss)
-                torch.autograd.backward(outputs, list(grad_tensors), retain_graph=retain_graph)
-            else:
-                assert torch.is_tensor(loss)
-                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self.reducer.finish()
-        except BaseException:
-            self.reducer.abort()
-            raise
-        self.micro_steps += 1
-        self._window += 1
+    def _begin_backward(self, reduce: bool) -> None:
+        """Stage 2 reduces in every micro-batch; stages 0/1 only at the accumulation boundary."""
+        self.reducer.begin(self.config.shard_gradients or reduce)
 
-    def step(self) -> bool:
-        """Step once ``gradient_accumulation_steps`` backward passes were taken since the last
-        step (or the boundary was set); otherwise do nothing, so it may be called after every
-        micro-batch (DeepSpeed's engine contract) or once per window.
+    def _end_backward(self) -> None:
+        self.reducer.finish()
 
-        Returns:
-            True when the step was skipped because gradients overflowed (on every rank).
-        """
-        if not self._step_due():
-            return False
-        self._window = 0
+    def _abort_backward(self) -> None:
+        self.reducer.abort()
+
+    def _flush(self) -> None:
         self.reducer.flush()
-        grads = [self._master_grad(g) for g in self.groups]
-        norm = self._global_norm(grads)
-        scale = self.loss_scale
-        if self.loss_scaler is not None and not math.isfinite(norm):
-            self._grad_norm = norm
-            self.loss_scaler.update_scale(True)
-            self.skipped_steps += 1
-            self.reducer.zero()
-            return True
-        self._grad_norm = norm / scale
-        combined = scale
-        if self.gradient_clipping > 0:
-            combined *= max(1.0, (self._grad_norm + 1e-6) / self.gradient_clipping)
-        if combined != 1.0:
-            torch._foreach_mul_(grads, 1.0 / combined)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [self._master_grad(g) for g in self.groups]
+
+    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         for master, grad in zip(self.masters, grads):
             master.grad = grad
         self._step_optimizer()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
+
+    def _zero_grads(self) -> None:
         self.reducer.zero()
-        self.global_steps += 1
-        return False
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         """The L2 norm of every rank's gradients, each element counted once."""
@@ -441,10 +385,6 @@ class ZeroOptimizer(AccumulationWindow):
         del set_to_none
         self.reducer.zero()
 
-    def get_global_grad_norm(self) -> float | None:
-        """L2 norm of the last step's unscaled gradients before clipping (inf/nan on overflow)."""
-        return self._grad_norm
-
     # --- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -473,11 +413,7 @@ class ZeroOptimizer(AccumulationWindow):
             "masters": [m.detach() for m in self.masters],
             "optimizer": optimizer_state,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "counters": {
-                "micro_steps": self.micro_steps,
-                "global_steps": self.global_steps,
-                "skipped_steps": self.skipped_steps,
-            },
+            "counters": self._counters(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -512,10 +448,7 @@ class ZeroOptimizer(AccumulationWindow):
             self.refresh_fp32_params()
         if self.loss_scaler is not None and source.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(source["loss_scaler"])
-        counters = source.get("counters", {})
-        self.micro_steps = int(counters.get("micro_steps", 0))
-        self.global_steps = int(counters.get("global_steps", 0))
-        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self._load_counters(source.get("counters", {}))
         self.reducer.zero()
 
     def checkpoint_shards(self) -> list[TensorShard]:

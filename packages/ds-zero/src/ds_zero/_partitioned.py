@@ -42,6 +42,7 @@ whole value handed out earlier stays valid for as long as its holder keeps it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import math
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 import ds_comm
+from ds_zero._streams import SideStream
 
 if TYPE_CHECKING:
     from ds_zero.api import OffloadParamConfig
@@ -129,11 +131,13 @@ class GatherHandle:
         world_size: int,
         depends: Sequence[GatherHandle] = (),
         on_done: Any = None,
+        side: SideStream | None = None,
     ) -> None:
         self.params = list(params)
         self._work, self._output, self._world = work, output, world_size
         self._depends = list(depends)
         self._on_done = on_done
+        self._side = side  # the side stream the all-gather was queued on
         self.done = False
 
     def wait(self) -> None:
@@ -145,6 +149,8 @@ class GatherHandle:
         self.done = True
         if self._work is not None:
             self._work.wait()
+        if self._side is not None:
+            self._side.join()  # the compute stream reads what the side stream gathered
         if self.params:
             _unpack(self.params, self._output, self._world)
         for p in self.params:
@@ -226,6 +232,7 @@ class ParamPartitioner:
         self.compute_device = torch.device(compute_device) if compute_device is not None else None
         self.params: list[torch.nn.Parameter] = []  # in partitioning order
         self._inflight: dict[int, GatherHandle] = {}
+        self._sides: dict[torch.device, SideStream] = {}
         self.gathered_numel = 0  # elements of non-persistent parameters AVAILABLE or INFLIGHT
         self.peak_gathered_numel = 0
 
@@ -370,21 +377,37 @@ class ParamPartitioner:
         device = self._device_of(todo[0])
         for p in todo:
             self._grow_buffer(p, device)
-        shards = [p.ds_tensor.to(device, non_blocking=True) for p in todo]
-        flat = shards[0] if len(shards) == 1 else torch.cat(shards)
         direct: torch.Tensor | None = getattr(todo[0], "_ds_buffer", None)
-        output: torch.Tensor | None
-        if len(todo) == 1 and direct is not None:  # straight into the whole buffer
-            output, work = None, None
-            if self.world_size == 1:
-                direct.copy_(flat)
+        direct = direct if len(todo) == 1 else None
+        output: torch.Tensor | None = None
+        numel = sum(p.ds_tensor.numel() for p in todo)
+        if direct is None and self.world_size > 1:  # allocated on the compute stream
+            output = torch.empty(
+                numel * self.world_size, dtype=todo[0].ds_tensor.dtype, device=device
+            )
+        # A prefetch (async) is queued on the side stream (see _streams.py's [Note: side
+        # streams for overlap]); the handle's wait() joins it before the values are read.
+        side = self._side_stream(device) if async_op and self.world_size > 1 else None
+        with side.use() if side is not None else contextlib.nullcontext():
+            shards = [p.ds_tensor.to(device, non_blocking=True) for p in todo]
+            flat = shards[0] if len(shards) == 1 else torch.cat(shards)
+            if direct is not None:  # straight into the whole buffer
+                if self.world_size == 1:
+                    direct.copy_(flat)
+                    work = None
+                else:
+                    work = ds_comm.all_gather_into_tensor(
+                        direct, flat, group=self.group, async_op=True
+                    )
+            elif self.world_size == 1:
+                output, work = flat.clone() if flat is todo[0].ds_tensor else flat, None
             else:
-                work = ds_comm.all_gather_into_tensor(direct, flat, group=self.group, async_op=True)
-        elif self.world_size == 1:
-            output, work = flat.clone() if flat is todo[0].ds_tensor else flat, None
-        else:
-            output = torch.empty(flat.numel() * self.world_size, dtype=flat.dtype, device=device)
-            work = ds_comm.all_gather_into_tensor(output, flat, group=self.group, async_op=True)
+                assert output is not None
+                work = ds_comm.all_gather_into_tensor(output, flat, group=self.group, async_op=True)
+            if side is not None:
+                for t in (direct, output):
+                    if t is not None:
+                        side.record(t)
         if self.shard_store is not None:
             # [Note: partitioned parameters]: the store may drop host copies once sent.
             if work is not None:
@@ -395,12 +418,18 @@ class ParamPartitioner:
             p.ds_status = ZeroParamStatus.INFLIGHT
         self.gathered_numel += sum(p.ds_numel for p in todo)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel)
-        handle = GatherHandle(todo, work, output, self.world_size, depends, self._done)
+        handle = GatherHandle(todo, work, output, self.world_size, depends, self._done, side)
         for p in todo:
             self._inflight[p.ds_id] = handle
         if not async_op:
             handle.wait()
         return handle
+
+    def _side_stream(self, device: torch.device) -> SideStream:
+        side = self._sides.get(device)
+        if side is None:
+            side = self._sides[device] = SideStream(device, enabled=True)
+        return side
 
     def _grow_buffer(self, p: torch.nn.Parameter, device: torch.device) -> None:
         """Give a non-persistent ``p`` its whole buffer: the one kept by a storage-freeing

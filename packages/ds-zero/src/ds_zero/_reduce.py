@@ -26,10 +26,10 @@ at the end of backward with zeros for the missing gradients (``ignore_unused_par
 [Note: overlapping reductions with backward]
 With ``overlap_comm`` a unit's collective is issued asynchronously and backward continues; the
 work is waited for when its staging buffer is needed again or at the end of backward, and only
-then is its result accumulated. On CUDA the copy-in, the collective and the accumulation run on
-a side stream that first waits for the compute stream, and the compute stream waits for the
-side stream at the end of backward. On gloo the async work handle is the overlap. Without
-``overlap_comm`` each collective is waited for in the hook that launched it.
+then is its result accumulated. The copy-in, the collective and the accumulation run on the
+side stream of the :class:`~ds_zero._streams.CollectiveQueue` shared with stage 3 (see
+``_streams.py``'s [Note: side streams for overlap]). On gloo the async work handle is the
+overlap. Without ``overlap_comm`` each collective is waited for in the hook that launched it.
 
 [Note: scaling and casting around the collective]
 A unit is divided by ``predivide`` before it is summed and the sum multiplied by
@@ -51,16 +51,17 @@ gradient is that of the mean loss over the whole data-parallel batch.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_zero._layout import FlatGroup, FlatUnit
 from ds_zero._offload import host_zeros
+from ds_zero._streams import CollectiveQueue
 from ds_zero.api import ZeroConfig
 
 __all__ = ["GradReducer", "ReduceContext"]
@@ -83,15 +84,6 @@ class ReduceContext:
     world_size: int
     offload: bool = False
     pin_memory: bool = False
-
-
-@dataclass
-class _InFlight:
-    """A launched collective and what to do once it completes."""
-
-    work: Any
-    finalize: Callable[[], None] | None
-    release: torch.Tensor | None
 
 
 class _StagingPool:
@@ -154,12 +146,14 @@ class GradReducer:
         ref = self.groups[0].flat
         self.dtype, self.device = ref.dtype, ref.device
         world = ctx.world_size
-        self._predivide = (
-            1.0 if world == 1 else float(world if predivide_factor is None else predivide_factor)
-        )
-        self._postscale = 1.0 if world == 1 else self._predivide / world
         same = world == 1 or comm_dtype in (None, self.dtype)
-        self._comm_dtype: torch.dtype | None = None if same else comm_dtype
+        self.queue = CollectiveQueue(
+            self.device,
+            overlap=bool(config.overlap_comm),
+            world_size=world,
+            predivide_factor=predivide_factor,
+            comm_dtype=None if same else comm_dtype,
+        )
         self.full: list[torch.Tensor | None] = [None] * len(self.groups)
         self.part: list[torch.Tensor | None] = [None] * len(self.groups)
         self._allocate()
@@ -172,13 +166,9 @@ class GradReducer:
         self._accumulated = [False] * len(self.units)
         self._pending = [0] * len(self.units)
         self._next = 0
-        self._inflight: deque[_InFlight] = deque()
         self._armed = False
         self._reducing = False
         self.unreduced = False  # local gradients accumulated since the last reduction
-        self._stream = None
-        if config.overlap_comm and self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=self.device)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
         ]
@@ -240,7 +230,7 @@ class GradReducer:
     @property
     def in_flight(self) -> int:
         """Collectives launched and not yet waited for (non-zero only with ``overlap_comm``)."""
-        return len(self._inflight)
+        return len(self.queue)
 
     # --- a backward pass -------------------------------------------------------------------------
 
@@ -271,7 +261,7 @@ class GradReducer:
                 "backward; ZeRO needs one backward per micro-batch (no retain_graph re-runs)"
             )
         if self.config.shard_gradients and self._staging is not None:
-            with self._side_stream():
+            with self.queue.side.use():
                 self._stage(unit, index, p)
         self._pending[unit.order] -= 1
         while self._next < len(self.units) and self._pending[self._next] == 0:
@@ -287,15 +277,14 @@ class GradReducer:
         grad = p.grad
         assert grad is not None
         buffer.narrow(0, unit.offsets[index], p.numel()).copy_(grad.reshape(-1))
-        if self._stream is not None:
-            grad.record_stream(self._stream)
+        self.queue.side.record(grad)
         self._arrived[unit.order][index] = True
         p.grad = None
 
     def _take_staging(self, unit: FlatUnit) -> torch.Tensor:
         assert self._staging is not None
-        while not self._staging.free and self._inflight and self._staging.allocated >= 2:
-            self._wait_oldest()  # double buffering, as DeepSpeed's two ipg buffers
+        while not self._staging.free and len(self.queue) and self._staging.allocated >= 2:
+            self.queue.wait_oldest()  # double buffering, as DeepSpeed's two ipg buffers
         buffer = self._staging.take(unit.padded_numel)
         buffer.narrow(0, unit.numel, unit.padded_numel - unit.numel).zero_()
         return buffer
@@ -316,7 +305,7 @@ class GradReducer:
     def abort(self) -> None:
         """Backward raised: drop this pass's partial state (gradients are zeroed by the caller)."""
         with contextlib.suppress(Exception):
-            self.wait_all()
+            self.queue.drop()
         for buffer in self._staged.values():
             self._release(buffer)
         self._staged.clear()
@@ -357,31 +346,19 @@ class GradReducer:
 
     # --- collectives -----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _side_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            yield
-
     def _launch(self, unit: FlatUnit) -> None:
-        with self._side_stream():
+        with self.queue.side.use():
             if self.config.shard_gradients:
                 buffer = self._stage_2_input(unit)
-                release = buffer if self._staging is not None else None
+                staged = buffer if self._staging is not None else None
             else:
                 full = self.full[unit.group]
                 assert full is not None
-                buffer, release = unit.full(full), None
-            if self._predivide != 1.0:
-                buffer.div_(self._predivide)
-            send = buffer if self._comm_dtype is None else buffer.to(self._comm_dtype)
+                buffer, staged = unit.full(full), None
+            send = self.queue.send_buffer(buffer)
             work, finalize = self._reduce(unit, buffer, send)
-        self._inflight.append(_InFlight(work, finalize, release))
-        if not self.config.overlap_comm:
-            self._wait_oldest()
+        release = None if staged is None else (lambda: self._release(staged))
+        self.queue.push(work, finalize, release)
 
     def _stage_2_input(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's flat gradient, zeros where a parameter got none; frees ``p.grad``."""
@@ -398,8 +375,7 @@ class GradReducer:
         for i, p in enumerate(unit.params):
             if p.grad is not None:
                 buffer.narrow(0, unit.offsets[i], p.numel()).copy_(p.grad.reshape(-1))
-                if self._stream is not None:
-                    p.grad.record_stream(self._stream)
+                self.queue.side.record(p.grad)
                 p.grad = None
         return buffer
 
@@ -413,18 +389,18 @@ class GradReducer:
         if not cfg.shard_optimizer_state:  # stage 0: the average, in place
             work = self._all_reduce(send, async_op, ctx)
             back = None if send is buffer else (lambda: buffer.copy_(send))
-            return work, _chain(self._scale(send), back)
+            return work, _chain(self.queue.scale(send), back)
         own = send.view(ctx.world_size, unit.shard_numel)[ctx.rank]
         if ctx.world_size == 1 or not cfg.reduce_scatter:
             work = self._all_reduce(send, async_op, ctx)
-            return work, _chain(self._scale(own), self._landing(unit, own))
+            return work, _chain(self.queue.scale(own), self._landing(unit, own))
         part = self.part[unit.group]
         direct = (
             part is not None
             and not self._accumulated[unit.order]
             and part.dtype == send.dtype
             and part.device == send.device
-            and self._postscale == 1.0
+            and self.queue.postscale == 1.0
         )
         if direct:  # first gradient of this window: reduce straight into the shard
             assert part is not None
@@ -434,13 +410,7 @@ class GradReducer:
             return work, None
         out = torch.empty(unit.shard_numel, dtype=send.dtype, device=send.device)
         work = ds_comm.reduce_scatter_tensor(out, send, group=ctx.group, async_op=async_op)
-        return work, _chain(self._scale(out), self._landing(unit, out))
-
-    def _scale(self, reduced: torch.Tensor) -> Callable[[], None] | None:
-        """The post-division of a reduced sum ([Note: scaling and casting around the collective])."""
-        if self._postscale == 1.0:
-            return None
-        return lambda: reduced.mul_(self._postscale)
+        return work, _chain(self.queue.scale(out), self._landing(unit, out))
 
     def _all_reduce(self, buffer: torch.Tensor, async_op: bool, ctx: ReduceContext) -> Any:
         if ctx.world_size == 1:
@@ -464,28 +434,15 @@ class GradReducer:
             return lambda: target.add_(shard.to(device=target.device, dtype=target.dtype))
         return lambda: target.copy_(shard, non_blocking=target.is_pinned())
 
-    def _wait_oldest(self) -> None:
-        item = self._inflight.popleft()
-        with self._side_stream():
-            if item.work is not None:
-                item.work.wait()
-            if item.finalize is not None:
-                item.finalize()
-            if item.release is not None:
-                self._release(item.release)
-
     def _release(self, buffer: torch.Tensor) -> None:
         assert self._staging is not None
         self._staging.give(buffer)
 
     def wait_all(self) -> None:
         """Wait for every launched collective and land its result."""
-        while self._inflight:
-            self._wait_oldest()
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if self.ctx.offload and torch.cuda.is_available():
-            torch.cuda.synchronize()  # non-blocking copies into pinned host shards
+        self.queue.wait_all()
+        if self.ctx.offload and self.device.type != "cpu":
+            get_accelerator().synchronize()  # non-blocking copies into pinned host shards
 
 
 def _chain(*steps: Callable[[], Any] | None) -> Callable[[], None] | None:

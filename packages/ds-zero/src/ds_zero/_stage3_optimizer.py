@@ -13,10 +13,11 @@ live where the masters do, ``p.ds_tensor`` becomes a view of the master (no seco
 register_post_accumulate_grad_hook``, once per backward even for tied parameters) moves the
 gradient into a bucket of rows ``[rank r's shard of each parameter]``, frees ``p.grad`` and
 releases the parameter; a full bucket (``reduce_bucket_size`` elements) is reduce-scattered
-(asynchronously with ``overlap_comm``) and the result added into the gradient shard, so
-micro-batches accumulate there. ``step()`` then follows ``ZeroOptimizer``'s [Note: one step]:
-global norm over the group, overflow skip with a loss scaler, one scaling for loss scale and
-clipping, optimizer step, shards written back (cast to the parameter dtype; under
+(asynchronously with ``overlap_comm``, on the side stream of the same
+:class:`~ds_zero._streams.CollectiveQueue` that stages 0-2 reduce through) and the result added
+into the gradient shard, so micro-batches accumulate there. ``step()`` is the core's (``_core.py``, [Note: one step]):
+global norm over the group, non-finite skip, one scaling for loss scale and clipping,
+optimizer step, shards written back (cast to the parameter dtype; under
 ``offload_optimizer`` with ds-optim's ``CPUAdam`` and 16-bit parameters the optimizer writes the
 cast copies in its own pass, ZeRO-Offload's fused copy), persistent parameters gathered whole
 again.
@@ -27,9 +28,7 @@ order gradients complete); a parameter no rank used gets no reduction (its gradi
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 import ds_comm
 from ds_optim import global_grad_norm
+from ds_zero._core import GradientCore
 from ds_zero._offload import accepts_fp16_param_groups, host_zeros
 from ds_zero._optimizer import (
     _dp_rank_and_size,
@@ -48,7 +48,7 @@ from ds_zero._param_access import register_param_owner
 from ds_zero._partitioned import ParamPartitioner, shard_bounds
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
-from ds_zero._window import AccumulationWindow
+from ds_zero._streams import CollectiveQueue
 from ds_zero.api import MemoryBreakdown, ZeroConfig
 
 __all__ = ["Stage3Optimizer"]
@@ -65,7 +65,7 @@ class _Slot:
         self.index, self.offset, self.numel, self.aliased = index, offset, numel, False
 
 
-class Stage3Optimizer(AccumulationWindow):
+class Stage3Optimizer(GradientCore):
     """ZeRO stage 3 around ``model`` and ``optimizer`` over a data-parallel group (see
     [Note: stage 3 step]); the same interface as :class:`~ds_zero.ZeroOptimizer`.
 
@@ -130,7 +130,7 @@ class Stage3Optimizer(AccumulationWindow):
         self.gradient_clipping = float(gradient_clipping)
         self.rank, self.world_size = _dp_rank_and_size(group)
         self._comm_dtype = comm_dtype
-        self._predivide = float(gradient_predivide_factor or self.world_size)
+        self._predivide_factor = gradient_predivide_factor
         self.partitioner = partitioner or self._partitioner_of(model)
         if self.partitioner.world_size != self.world_size:
             raise ValueError(
@@ -162,15 +162,16 @@ class Stage3Optimizer(AccumulationWindow):
         ]
         self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._pending_numel = 0
-        self._inflight: deque[tuple[Any, torch.Tensor, list[Any]]] = deque()
+        self.queue = CollectiveQueue(
+            self._grad_device(),
+            overlap=bool(self.config.overlap_comm),
+            world_size=self.world_size,
+            predivide_factor=gradient_predivide_factor,
+            comm_dtype=comm_dtype,
+        )
         self._reduced: set[int] = set()
         self._bucket_bytes = 0
-        self.micro_steps = 0
-        self._window = 0
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self._boundary: bool | None = None
-        self._grad_norm: float | None = None
+        self._init_core()
         register_param_owner(self, self._slots_params())
 
     # --- construction ----------------------------------------------------------------------------
@@ -291,49 +292,51 @@ class Stage3Optimizer(AccumulationWindow):
         if self._pending_numel >= self.config.reduce_bucket_size:
             self._launch()
 
+    def _grad_device(self) -> torch.device:
+        """Where gradients are produced: the device the parameters compute on."""
+        params = self._slots_params()
+        return self.partitioner._device_of(params[0]) if params else torch.device("cpu")
+
     def _launch(self) -> None:
         """Reduce-scatter the pending gradients as one bucket of rows (see [Note: stage 3
-        step])."""
+        step]), through the reducer's :class:`~ds_zero._streams.CollectiveQueue`."""
         entries, self._pending, self._pending_numel = self._pending, [], 0
         if not entries:
             return
-        world = self.world_size
+        world, queue = self.world_size, self.queue
         dtype = self._comm_dtype or entries[0][1].dtype
         cols = sum(p.ds_tensor.numel() for p, _ in entries)
-        bucket = torch.zeros(world, cols, dtype=dtype, device=entries[0][1].device)
-        placed = []
-        offset = 0
-        for p, grad in entries:
-            s = p.ds_tensor.numel()
-            flat = grad.reshape(-1)
-            rows, rest = divmod(flat.numel(), s)
-            bucket[:rows, offset : offset + s].copy_(flat[: rows * s].view(rows, s))
-            if rest:
-                bucket[rows, offset : offset + rest].copy_(flat[rows * s :])
-            placed.append((p, offset))
-            offset += s
-        del entries
-        flat_bucket = bucket.view(-1)
-        if world == 1:
-            self._finalize(None, flat_bucket, placed)
-            return
-        if self._predivide != 1.0:
-            flat_bucket.div_(self._predivide)
-        out = torch.empty(cols, dtype=dtype, device=bucket.device)
-        self._bucket_bytes = max(self._bucket_bytes, bucket.nbytes + out.nbytes)
-        work = ds_comm.reduce_scatter_tensor(
-            out, flat_bucket, group=self.group, async_op=bool(self.config.overlap_comm)
-        )
-        self._inflight.append((work, out, placed))
-        while len(self._inflight) > (2 if self.config.overlap_comm else 0):
-            self._finalize(*self._inflight.popleft())
+        with queue.side.use():
+            bucket = torch.zeros(world, cols, dtype=dtype, device=entries[0][1].device)
+            placed = []
+            offset = 0
+            for p, grad in entries:
+                s = p.ds_tensor.numel()
+                flat = grad.reshape(-1)
+                rows, rest = divmod(flat.numel(), s)
+                bucket[:rows, offset : offset + s].copy_(flat[: rows * s].view(rows, s))
+                if rest:
+                    bucket[rows, offset : offset + rest].copy_(flat[rows * s :])
+                queue.side.record(grad)
+                placed.append((p, offset))
+                offset += s
+            del entries
+            flat_bucket = bucket.view(-1)
+            if world == 1:
+                self._land(flat_bucket, placed)
+                return
+            send = queue.send_buffer(flat_bucket)
+            out = torch.empty(cols, dtype=dtype, device=bucket.device)
+            self._bucket_bytes = max(self._bucket_bytes, bucket.nbytes + out.nbytes)
+            work = ds_comm.reduce_scatter_tensor(
+                out, send, group=self.group, async_op=bool(self.config.overlap_comm)
+            )
+        queue.push(work, lambda: self._land(out, placed), max_in_flight=2)
 
-    def _finalize(self, work: Any, out: torch.Tensor, placed: list[Any]) -> None:
-        if work is not None:
-            work.wait()
-        post = self._predivide / self.world_size if self.world_size > 1 else 1.0
-        if post != 1.0:
-            out.mul_(post)
+    def _land(self, out: torch.Tensor, placed: list[Any]) -> None:
+        """Scale a reduced bucket and add each parameter's piece into its gradient shard."""
+        if self.queue.postscale != 1.0:
+            out.mul_(self.queue.postscale)
         for p, offset in placed:
             slot = self._slots[id(p)]
             target = self._grad_shard(slot.index).narrow(0, slot.offset, slot.numel)
@@ -341,8 +344,7 @@ class Stage3Optimizer(AccumulationWindow):
 
     def _finish_reduction(self) -> None:
         self._launch()
-        while self._inflight:
-            self._finalize(*self._inflight.popleft())
+        self.queue.wait_all()
         if not self.config.ignore_unused_parameters:
             unused = [
                 self.names.get(id(p), "?")
@@ -358,50 +360,32 @@ class Stage3Optimizer(AccumulationWindow):
 
     # --- backward and step -----------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
-        """Backpropagate ``loss * loss_scale / gradient_accumulation_steps``; gradients are
-        reduce-scattered into this rank's shard as they complete."""
-        scale = self.loss_scale / self.gradient_accumulation_steps
-        try:
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self._finish_reduction()
-        except BaseException:
-            self._pending, self._pending_numel = [], 0
-            while self._inflight:
-                work = self._inflight.popleft()[0]
-                if work is not None:
-                    work.wait()
-            raise
-        finally:
-            self.hooks.end_iteration()
-        self.micro_steps += 1
-        self._window += 1
+    # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
 
-    def step(self) -> bool:
-        """Step at the accumulation boundary (otherwise do nothing).
+    def _begin_backward(self, reduce: bool) -> None:
+        """Gradients are reduce-scattered into this rank's shard in every micro-batch."""
+        del reduce
 
-        Returns:
-            True when the step was skipped because gradients overflowed (on every rank).
-        """
-        if not self._step_due():
-            return False
-        self._window = 0
-        grads = [self._grad_shard(i) for i in range(len(self.masters))]
+    def _end_backward(self) -> None:
+        self._finish_reduction()  # on an error the core calls _abort_backward
+        self.hooks.end_iteration()
+
+    def _abort_backward(self) -> None:
+        self._pending, self._pending_numel = [], 0
+        self.queue.drop()
+        self.hooks.end_iteration()
+
+    def _flush(self) -> None:
+        """Nothing is left local: every backward reduces."""
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [self._grad_shard(i) for i in range(len(self.masters))]
+
+    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         norm_group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
-        norm = float(global_grad_norm(grads, 2.0, group=norm_group))
-        scale = self.loss_scale
-        if self.loss_scaler is not None and not math.isfinite(norm):
-            self._grad_norm = norm
-            self.loss_scaler.update_scale(True)
-            self.skipped_steps += 1
-            self.zero_grad()
-            return True
-        self._grad_norm = norm / scale
-        combined = scale
-        if self.gradient_clipping > 0:
-            combined *= max(1.0, (self._grad_norm + 1e-6) / self.gradient_clipping)
-        if combined != 1.0:
-            torch._foreach_mul_(grads, 1.0 / combined)
+        return float(global_grad_norm(grads, 2.0, group=norm_group))
+
+    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         for master, grad in zip(self.masters, grads):
             master.grad = grad
         low: list[torch.Tensor] = []
@@ -416,11 +400,9 @@ class Stage3Optimizer(AccumulationWindow):
         for master in self.masters:
             master.grad = None
         self._publish(low or None)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(False)
+
+    def _zero_grads(self) -> None:
         self.zero_grad()
-        self.global_steps += 1
-        return False
 
     def _publish(self, low: list[torch.Tensor] | None = None) -> None:
         """Write the masters (or their low-precision copies) into the shards, and persistent
@@ -469,10 +451,6 @@ class Stage3Optimizer(AccumulationWindow):
             handle.remove()
         self._grad_hooks.clear()
 
-    def get_global_grad_norm(self) -> float | None:
-        """L2 norm of the last step's unscaled gradients before clipping (inf/nan on overflow)."""
-        return self._grad_norm
-
     # --- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -486,11 +464,7 @@ class Stage3Optimizer(AccumulationWindow):
             "masters": [m.detach() for m in self.masters],
             "optimizer": self.optimizer.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "counters": {
-                "micro_steps": self.micro_steps,
-                "global_steps": self.global_steps,
-                "skipped_steps": self.skipped_steps,
-            },
+            "counters": self._counters(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -513,11 +487,6 @@ class Stage3Optimizer(AccumulationWindow):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self._load_counters(state.get("counters", {}))
         self.zero_grad()
-
-    def _load_counters(self, counters: Mapping[str, Any]) -> None:
-        self.micro_steps = int(counters.get("micro_steps", 0))
-        self.global_steps = int(counters.get("global_steps", 0))
-        self.skipped_steps = int(counters.get("skipped_steps", 0))
 
     def checkpoint_shards(self) -> list[TensorShard]:
         """This rank's piece of every parameter and of its elementwise optimizer state (see

@@ -1,0 +1,270 @@
+"""``GradientCore``: the one gradient step of every ZeRO stage: the accumulation window, the
+backward pass around the layout's reduction, and the sequence norm -> non-finite check ->
+clip -> optimizer step -> publish, reported as a :class:`ds_optim.StepResult`.
+
+[Note: one step]
+``backward(loss)`` scales the loss (loss scale / accumulation steps), arms the layout's gradient
+hooks (``_begin_backward``: whether this pass reduces), runs autograd and waits for the
+reductions (``_end_backward``). ``step()`` at the accumulation boundary:
+
+1. reduces what backward left local (``_flush``: stages 0/1 off the boundary);
+2. takes the layout's fp32 gradients of the master partitions (``_master_grads``) and their
+   global L2 norm (``_global_norm``, reduced over the data-parallel group and any norm group,
+   so every rank sees the same value);
+3. a non-finite norm skips the step on every rank (see ds-optim's [Note: one non-finite
+   policy]): with a loss scaler the scale is lowered, without one a warning is logged; the
+   gradients are zeroed and the result says ``overflow``;
+4. scales the gradients once by ``1 / (loss_scale * clip)`` with DeepSpeed's clip rule
+   ``clip = max(1, (norm + 1e-6) / gradient_clipping)`` on the unscaled norm;
+5. steps the wrapped optimizer on the masters and publishes them into the model's parameters
+   (``_apply``: the layout's write-back, gathers or shard copies), then zeroes the gradients.
+
+Stages differ only in the layout the subclass supplies (flat buckets with whole parameters for
+stages 0-2, per-parameter shards with partitioned parameters for stage 3); the sequence above,
+the window and the counters are written once, here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ds_optim import StepResult
+
+__all__ = ["GradientCore"]
+
+logger = logging.getLogger("ds_zero")
+
+
+class GradientCore:
+    """The accumulation window and the step sequence (see [Note: one step]).
+
+    The host class sets ``gradient_accumulation_steps``, ``gradient_clipping``, ``loss_scaler``
+    and ``optimizer``, calls :meth:`_init_core`, and supplies the layout: ``_begin_backward``,
+    ``_end_backward``, ``_abort_backward``, ``_flush``, ``_master_grads``, ``_global_norm``,
+    ``_apply`` and ``_zero_grads``.
+    """
+
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    loss_scaler: Any
+    optimizer: Any
+
+    def _init_core(self) -> None:
+        self.micro_steps = 0  # backward passes
+        self._window = 0  # backward passes since the last optimizer step
+        self._backward_since_step = False
+        self.global_steps = 0  # applied optimizer steps
+        self.skipped_steps = 0
+        self._boundary: bool | None = None
+        self._grad_norm: float | None = None
+        self.overflow = False  # the last step's gradients held inf/nan (DeepSpeed's attribute)
+        self._last_result: StepResult | None = None
+
+    # --- the layout (supplied by the host class) ------------------------------------------------
+
+    def _begin_backward(self, reduce: bool) -> None:
+        raise NotImplementedError
+
+    def _end_backward(self) -> None:
+        raise NotImplementedError
+
+    def _abort_backward(self) -> None:
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        raise NotImplementedError
+
+    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _zero_grads(self) -> None:
+        raise NotImplementedError
+
+    # --- the window -----------------------------------------------------------------------------
+
+    def _reduces_now(self) -> bool:
+        """Whether the backward about to run completes the window (or the override says so)."""
+        if self._boundary is not None:
+            return self._boundary
+        return self._window + 1 >= self.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation window: before its
+        backward, whether that backward completes the window; after it, whether ``step()``
+        steps. The engines ask this instead of counting micro-batches themselves."""
+        if self._boundary is not None:
+            return self._boundary
+        if self._backward_since_step:
+            return self._window >= self.gradient_accumulation_steps
+        return self._window + 1 >= self.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the boundary (pipeline schedules, ``no_sync``); None returns to counting
+        backward passes. The override decides both whether backward reduces (stages 0/1) and
+        whether ``step()`` steps."""
+        self._boundary = is_boundary
+
+    @property
+    def boundary_override(self) -> bool | None:
+        """The value set by :meth:`set_gradient_accumulation_boundary` (None: counting)."""
+        return self._boundary
+
+    def _step_due(self) -> bool:
+        """Whether ``step()`` steps now: the window is complete (or the override says so)."""
+        due = self._window >= self.gradient_accumulation_steps
+        return self._boundary if self._boundary is not None else due
+
+    # --- backward and step ----------------------------------------------------------------------
+
+    def backward(
+        self,
+        loss: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        retain_graph: bool = False,
+        grad_tensors: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Backpropagate ``loss * loss_scale / gradient_accumulation_steps`` and reduce gradients
+        as the layout does.
+
+        With ``grad_tensors`` (a pipeline stage that received the gradients of its outputs),
+        ``loss`` is those outputs and the gradients are used as given: they carry the scaling
+        already.
+        """
+        scale = self.loss_scale / self.gradient_accumulation_steps
+        self._begin_backward(self._reduces_now())
+        try:
+            if grad_tensors is not None:
+                outputs = [loss] if torch.is_tensor(loss) else list(loss)
+                torch.autograd.backward(outputs, list(grad_tensors), retain_graph=retain_graph)
+            else:
+                if not torch.is_tensor(loss):
+                    (loss,) = loss  # a one-element sequence: the pipeline's [loss]
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            self._end_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
+        self.micro_steps += 1
+        self._window += 1
+        self._backward_since_step = True
+
+    def reduce_gradients(self) -> None:
+        """Reduce what backward left local now (``step()`` does it anyway when due)."""
+        self._flush()
+
+    def step(self) -> StepResult:
+        """Step once ``gradient_accumulation_steps`` backward passes were taken since the last
+        step (or the boundary was set); otherwise do nothing, so it may be called after every
+        micro-batch (DeepSpeed's engine contract) or once per window.
+
+        Returns:
+            What happened (see :class:`ds_optim.StepResult`); also :attr:`last_result`.
+        """
+        self._backward_since_step = False
+        if not self._step_due():
+            return self._record(StepResult.not_due(self.loss_scale))
+        self._window = 0
+        self._flush()
+        grads = self._master_grads()
+        norm = self._global_norm(grads)
+        if not math.isfinite(norm):
+            return self._skip(norm)
+        scale = self.loss_scale
+        self._grad_norm = norm / scale
+        combined = scale
+        if self.gradient_clipping > 0:
+            combined *= max(1.0, (self._grad_norm + 1e-6) / self.gradient_clipping)
+        if combined != 1.0:
+            torch._foreach_mul_(grads, 1.0 / combined)
+        self._apply(grads)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        self._zero_grads()
+        self.global_steps += 1
+        self.overflow = False
+        result = StepResult(
+            boundary=True, applied=True, grad_norm=self._grad_norm, loss_scale=self.loss_scale
+        )
+        return self._record(result)
+
+    def _skip(self, norm: float) -> StepResult:
+        """Skip the step for non-finite gradients (every rank sees the same norm, so every rank
+        skips; see ds-optim's [Note: one non-finite policy])."""
+        self._grad_norm = norm
+        self.overflow = True
+        self.skipped_steps += 1
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(True)
+        else:
+            logger.warning(
+                "the global gradient norm is %s: a gradient holds inf/nan, so the optimizer "
+                "step was skipped on every rank (no loss scaler to lower; check the loss and the "
+                "inputs)",
+                norm,
+            )
+        self._zero_grads()
+        result = StepResult(
+            boundary=True, applied=False, overflow=True, grad_norm=norm, loss_scale=self.loss_scale
+        )
+        return self._record(result)
+
+    def _record(self, result: StepResult) -> StepResult:
+        self._last_result = result
+        return result
+
+    @property
+    def last_result(self) -> StepResult | None:
+        """What the last :meth:`step` did (None before the first)."""
+        return self._last_result
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the last step's unscaled gradients before clipping (inf/nan on overflow)."""
+        return self._grad_norm
+
+    # --- DeepSpeed's optimizer attributes -------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a loss scaler)."""
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale (DeepSpeed's other name for it)."""
+        return self.loss_scale
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (for LR schedulers)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state (keyed by the master tensors it steps),
+        read by clients as they read a torch optimizer's (Lightning's teardown does)."""
+        return self.optimizer.state
+
+    # --- counters in checkpoints ----------------------------------------------------------------
+
+    def _counters(self) -> dict[str, int]:
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def _load_counters(self, counters: Any) -> None:
+        self.micro_steps = int(counters.get("micro_steps", 0))
+        self.global_steps = int(counters.get("global_steps", 0))
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
