@@ -91,7 +91,7 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
     assert "bfloat16" not in EVERY_KEY  # the alias is tested apart (one of bf16/bfloat16)
     cfg = DeepSpeedConfig.from_dict(EVERY_KEY, dp_world_size=2)
     assert set(NOT_IMPLEMENTED) <= set(EVERY_KEY)
-    assert cfg.unimplemented.tensorboard.output_path == "runs"
+    assert cfg.tensorboard.output_path == "runs" and not cfg.monitor_config.enabled
     assert cfg.unimplemented.autotuning.metric == "latency"
     assert cfg.unimplemented.flops_profiler.profile_step == 5
     assert cfg.unimplemented.flops_profiler.module_depth == -1  # DeepSpeed's default
@@ -101,8 +101,6 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "feature"),
     [
-        ("tensorboard", {"enabled": True}, "TensorBoard"),
-        ("wandb", {"enabled": True}, "Weights & Biases"),
         ("flops_profiler", {"enabled": True}, "FLOPS profiler"),
         ("sequence_parallel_size", 2, "sequence parallelism"),
         ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism"),

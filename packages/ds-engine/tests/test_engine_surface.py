@@ -260,11 +260,11 @@ def _monitor_body(rank: int, world_size: int, path: str) -> dict:
     import csv
 
     import ds_engine
-    from ds_engine._monitor import CsvMonitor, Monitor
+    from ds_engine._monitor import CsvSink, Monitor
 
     engine, *_ = ds_engine.initialize(model=make_mlp(), config=config())
     engine.monitor.write_events([("Train/x", 1.0, 1)])  # disabled: writes nowhere
-    sink = CsvMonitor(path, "job") if rank == 0 else None
+    sink = CsvSink(path, "job") if rank == 0 else None
     monitor = Monitor([sink] if sink else [], rank=rank)
     monitor.write_events([("Train/Samples/loss", 0.5, 8), ("Train/Samples/loss", 0.25, 16)])
     rows = []

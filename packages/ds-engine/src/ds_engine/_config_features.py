@@ -7,7 +7,7 @@ typed fields of :class:`ds_engine.DeepSpeedConfig`. Every other one is a row of
 decides whether a given value *asks for* the feature:
 
 - a section with an ``enabled`` switch asks for nothing while the switch is false (whatever its
-  other settings say: ``"tensorboard": {"enabled": false, "output_path": "runs"}`` is inert);
+  other settings say: ``"flops_profiler": {"enabled": false, "profile_step": 5}`` is inert);
 - any other value asks for nothing when it equals DeepSpeed's default, key by key (``"auto"``
   stands for the default, as in DeepSpeed's config models);
 - an *open* section (``data_efficiency``, ``compression_training``, ...: deep trees of
@@ -178,7 +178,6 @@ def _check_sub_keys(key: str, value: Mapping[str, Any], default: Mapping[str, An
 
 
 _REMOVED = "DeepSpeed 0.19 removed it too (https://github.com/deepspeedai/DeepSpeed/issues/8489)."
-_MONITOR = {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"}
 
 # DeepSpeed 0.19's top-level keys for features ds does not implement, with DeepSpeed's defaults
 # (read from deepspeed/runtime/config.py and the section config models).
@@ -221,26 +220,6 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "max_train_micro_batch_size_per_gpu": 1024,
             "min_train_micro_batch_size_per_gpu": 1,
             "num_tuning_micro_batch_sizes": 3,
-        },
-    ),
-    "tensorboard": NotImplementedFeature("TensorBoard monitoring", _MONITOR),
-    "csv_monitor": NotImplementedFeature("CSV monitoring", _MONITOR),
-    "wandb": NotImplementedFeature(
-        "Weights & Biases monitoring",
-        {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
-    ),
-    "comet": NotImplementedFeature(
-        "Comet monitoring",
-        {
-            "enabled": False,
-            "samples_log_interval": 100,
-            "project": None,
-            "workspace": None,
-            "api_key": None,
-            "experiment_name": None,
-            "experiment_key": None,
-            "online": None,
-            "mode": None,
         },
     ),
     "hybrid_engine": NotImplementedFeature(

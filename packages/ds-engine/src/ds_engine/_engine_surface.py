@@ -346,10 +346,12 @@ class EngineSurface:
 
     def destroy(self) -> None:
         """Release what the engine holds beyond Python references: the optimizer's (its
-        ``destroy()`` where it has one, e.g. NVMe swap files) and the cached memory."""
+        ``destroy()`` where it has one, e.g. NVMe swap files), the monitors (flushed and
+        closed: the W&B run finishes) and the cached memory."""
         optimizer = self.optimizer
         if optimizer is not None and hasattr(optimizer, "destroy"):
             optimizer.destroy()
+        self.monitor.close()
         self.empty_partition_cache()
 
     def zero_grad(self) -> None:

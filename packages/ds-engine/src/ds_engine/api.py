@@ -39,6 +39,13 @@ from ds_comm import CommsLoggerConfig, ConfigError
 from ds_comm.api import check_keys, is_auto
 from ds_engine._config_features import NOT_IMPLEMENTED, FeatureSettings
 from ds_engine._config_load import load_config_dict
+from ds_engine._config_monitor import (
+    CometConfig,
+    CsvMonitorConfig,
+    MonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from ds_engine._config_sections import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
@@ -69,6 +76,10 @@ _SECTIONS: dict[str, Any] = {
     "checkpoint": CheckpointConfig,
     "data_types": DataTypesConfig,
     "activation_checkpointing": ActivationCheckpointingConfig,
+    "tensorboard": TensorBoardConfig,
+    "wandb": WandbConfig,
+    "csv_monitor": CsvMonitorConfig,
+    "comet": CometConfig,
 }
 # DeepSpeed accepts "bfloat16" as an alias of "bf16".
 _ALIASES = {"bfloat16": "bf16"}
@@ -129,6 +140,7 @@ class DeepSpeedConfig(Mapping[str, Any]):
         checkpoint: the ``checkpoint`` section (tag validation, node-local storage).
         data_types: the ``data_types`` section (buffer dtype, fp32-kept modules).
         activation_checkpointing: the section ``deepspeed.checkpointing.configure`` reads.
+        tensorboard, wandb, csv_monitor, comet: the monitor sections (``engine.monitor``).
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
         steps_per_print: print a progress line every this many optimizer steps (``inf``: never).
         wall_clock_breakdown: time forward, backward and step and print them.
@@ -146,7 +158,9 @@ class DeepSpeedConfig(Mapping[str, Any]):
         dataloader_drop_last: ``deepspeed_io`` loaders drop the last incomplete batch.
         dump_state: print the engine's resolved configuration at start-up.
         log_level: the ds logger's level (``"info"``, ...; None leaves it as it is).
-        seed: seeds torch, random and the data loader's shuffling when set.
+        seed: the shuffle seed of ``deepspeed_io`` loaders, the same on every rank (None: 0).
+            It seeds nothing else: DeepSpeed's engine reads no top-level ``seed``; seed torch
+            and ``random`` with ``deepspeed.runtime.utils.set_random_seed``.
         aio: the ``aio`` section (``ds_offload_aio.AioConfig``; None: absent, DeepSpeed's
             defaults apply) used by ``offload_optimizer.device = "nvme"``.
         unimplemented: every key of a feature ds does not implement, at its accepted (inert)
@@ -169,6 +183,10 @@ class DeepSpeedConfig(Mapping[str, Any]):
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
     gradient_clipping: float = 1.0
     steps_per_print: int | float = 10
     wall_clock_breakdown: bool = False
@@ -304,6 +322,11 @@ class DeepSpeedConfig(Mapping[str, Any]):
         return len(self.user_config)
 
     # --- derived values ---------------------------------------------------------------------
+
+    @property
+    def monitor_config(self) -> MonitorConfig:
+        """DeepSpeed's ``monitor_config``: the four monitor sections and whether any is on."""
+        return MonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
     @property
     def param_dtype_name(self) -> str:

@@ -1,11 +1,7 @@
 """``deepspeed.monitor``: DeepSpeed's training monitors (TensorBoard, Weights & Biases, CSV,
-Comet) and their config models.
-
-ds does not implement these monitors yet: every class of DeepSpeed's ``monitor.monitor``,
-``monitor.tensorboard``, ``monitor.wandb``, ``monitor.csv_monitor``, ``monitor.comet`` and
-``monitor.config`` imports (client modules import them at their top) and raises
-``NotImplementedError`` naming the monitor when it is built. The config sections
-(``tensorboard``, ``wandb``, ``csv_monitor``, ``comet``) are ds-engine's config's to refuse.
+Comet) and their config models, with DeepSpeed's module layout (``monitor.monitor``,
+``monitor.tensorboard``, ``monitor.wandb``, ``monitor.csv_monitor``, ``monitor.comet``,
+``monitor.config``). The engine's ``engine.monitor`` writes through the same sinks.
 """
 
 from __future__ import annotations

@@ -1,20 +1,47 @@
-"""``deepspeed.monitor.config``: the monitor config models (not implemented in ds; the config
-sections themselves are ds-engine's config's to refuse)."""
+"""``deepspeed.monitor.config``: the monitor config models, the ones ds's config parses.
+
+``TensorBoardConfig(enabled=True, output_path="runs")`` and friends take DeepSpeed's keywords;
+``get_monitor_config(param_dict)`` reads the four sections of a config dict.
+"""
 
 from __future__ import annotations
 
-from ds_engine._not_implemented import not_implemented
+from collections.abc import Mapping
+from typing import Any
 
-_FEATURE = "training monitors (monitor config models)"
-
-DeepSpeedMonitorConfig = not_implemented(
-    "deepspeed.monitor.config.DeepSpeedMonitorConfig", _FEATURE
+from ds_engine._config_monitor import (
+    CometConfig,
+    CsvMonitorConfig,
+    MonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
 )
-TensorBoardConfig = not_implemented("deepspeed.monitor.config.TensorBoardConfig", _FEATURE)
-WandbConfig = not_implemented("deepspeed.monitor.config.WandbConfig", _FEATURE)
-CSVConfig = not_implemented("deepspeed.monitor.config.CSVConfig", _FEATURE)
-CometConfig = not_implemented("deepspeed.monitor.config.CometConfig", _FEATURE)
-get_monitor_config = not_implemented("deepspeed.monitor.config.get_monitor_config", _FEATURE)
+
+CSVConfig = CsvMonitorConfig
+
+
+def _section(cls: Any, value: Any) -> Any:
+    return value if isinstance(value, cls) else cls.from_dict(value or {})
+
+
+def DeepSpeedMonitorConfig(
+    tensorboard: Any = None, wandb: Any = None, csv_monitor: Any = None, comet: Any = None
+) -> MonitorConfig:
+    """The four sections (dicts or config objects) as one monitor config."""
+    return MonitorConfig(
+        _section(TensorBoardConfig, tensorboard),
+        _section(WandbConfig, wandb),
+        _section(CsvMonitorConfig, csv_monitor),
+        _section(CometConfig, comet),
+    )
+
+
+def get_monitor_config(param_dict: Mapping[str, Any]) -> MonitorConfig:
+    """The monitor config of a DeepSpeed config dict (absent sections: disabled)."""
+    return DeepSpeedMonitorConfig(
+        **{key: param_dict.get(key) for key in ("tensorboard", "wandb", "csv_monitor", "comet")}
+    )
+
 
 __all__ = [
     "CSVConfig",
