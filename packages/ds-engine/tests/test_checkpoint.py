@@ -107,7 +107,7 @@ def test_deepspeed_layout_and_latest_file(world_size: int, tmp_path: Path) -> No
     assert (root / "latest").read_text() == "global_step2"
     files = sorted(os.listdir(root / "global_step2"))
     ranks = [f"rng_state_rank{r:05d}.pt" for r in range(world_size)]
-    assert files == ["mp_rank_00_model_states.pt", *ranks, "zero"]
+    assert files == ["ds_manifest.json", "mp_rank_00_model_states.pt", *ranks, "zero"]
     for file in (root / "global_step2").rglob("*.pt"):  # every file opens weights-only
         torch.load(file, map_location="cpu", weights_only=True)
 

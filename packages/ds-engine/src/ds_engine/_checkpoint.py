@@ -6,9 +6,18 @@ counters, LR schedule, loader position and the client state; written by the firs
 data-parallel rank of each model-parallel slice), ``rng_state_rank<r>.pt`` (every rank's RNG
 states) and ``zero/`` (or ``zero_mp<mp>/``), ds-zero's sharded optimizer checkpoint.
 ``save_dir/latest`` names the newest tag. Every file is written under ``save_dir/.<tag>.partial``
-first; after a barrier global rank 0 renames that directory to ``<tag>`` (moving an older one of
-that name aside) and only then replaces ``latest`` through a temporary file and a rename. A rank
-killed at any point leaves ``latest`` naming a complete checkpoint.
+first; after a barrier every rank checksums a share of the files and global rank 0 writes
+``ds_manifest.json`` (every file, every tensor; see ds-zero's [Note: checkpoint integrity]),
+renames the directory to ``<tag>`` (moving an older one of that name aside) and only then
+replaces ``latest`` through a fsynced temporary file and a rename. A rank killed at any point
+leaves ``latest`` naming a complete checkpoint, or (killed between the two renames of a reused
+tag) naming a tag whose finished copy sits in ``.<tag>.partial`` or ``.<tag>.old``: loading then
+uses the newest complete copy with a warning, and the next save puts it back first.
+
+Loading verifies the whole directory against ``ds_manifest.json`` before any value is used
+(every load path: full, ``load_module_only``, ``load_optimizer_states=False``, and the pipeline
+engine's), each rank checking a share of the files, every rank raising the same error naming
+the file and tensor. Every file read names the file when it is absent or unreadable.
 
 [Note: weights-only checkpoints]
 Everything is loaded with ``torch.load(weights_only=True)``: a file can hold tensors and plain
@@ -36,13 +45,19 @@ from ds_engine import __version__
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_checkpoint
 from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import (
+    CheckpointError,
     GatheredParameters,
     Stage3Optimizer,
     ZeroOptimizer,
     iter_fp32_tensors,
+    load_file,
     load_sharded_checkpoint,
+    recover_directory,
+    repair_directory,
     replace_dir,
     save_sharded_checkpoint,
+    verify_directory,
+    write_directory_manifest,
 )
 from ds_zero import save_fsynced as _write  # module-level name: the crash test patches it
 
@@ -171,7 +186,10 @@ def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], excl
 
 def _write_latest(save_dir: Path, tag: str) -> None:
     temp = save_dir / f".{_LATEST}.tmp"
-    temp.write_text(tag)
+    with open(temp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(temp, save_dir / _LATEST)
 
 
@@ -187,11 +205,13 @@ def tag_directory(
     partial, target = root / f".{tag}.partial", root / tag
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        repair_directory(target)  # never delete the only complete copy of a reused tag
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     _barrier()
     yield partial
     _barrier()
+    write_directory_manifest(partial)  # collective: every rank checksums a share
     if rank == 0:
         replace_dir(partial, target)
         if save_latest:
@@ -199,19 +219,44 @@ def tag_directory(
     _barrier()
 
 
+def _read_latest(latest: Path) -> str:
+    """The tag in a ``latest`` file, or a :class:`CheckpointError` saying what is wrong with it."""
+    raw = latest.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{str(latest)!r} is not text ({len(raw)} bytes): it should hold one checkpoint tag"
+        ) from None
+    if not tag or "\n" in tag or "\x00" in tag:
+        raise CheckpointError(
+            f"{str(latest)!r} holds {tag!r}: it should hold one checkpoint tag (empty or "
+            "several lines: the file was truncated or overwritten); pass tag= to choose one"
+        )
+    return tag
+
+
 def resolve_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
-    """``load_dir/tag`` (``tag`` None: the one ``latest`` names); None when there is no
-    ``latest``; an error naming the path when the directory is missing."""
+    """``load_dir/tag`` (``tag`` None: the one ``latest`` names), verified against its
+    ``ds_manifest.json`` (collective: every rank must call it); None when there is no ``latest``;
+    an error naming the path when no complete copy of the directory exists (see [Note:
+    checkpoint layout and crash safety])."""
     root = Path(load_dir)
     if tag is None:
         latest = root / _LATEST
         if not latest.is_file():
             return None
-        tag = latest.read_text().strip()
-    path = root / str(tag)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (tag {tag!r})")
+        tag = _read_latest(latest)
+    named = root / str(tag)
+    path = recover_directory(named)
+    if path is None:
+        raise FileNotFoundError(
+            f"checkpoint {str(named)!r} does not exist (tag {tag!r}), and no complete copy of it "
+            f"is left in {named.with_name('.' + named.name + '.partial').name} or "
+            f"{named.with_name('.' + named.name + '.old').name}"
+        )
     _check_same_tag(str(tag))
+    verify_directory(path)
     return path
 
 
@@ -364,7 +409,7 @@ def load_checkpoint(
         engine.progress.write(f"no 'latest' file in {load_dir}: nothing to load")
         return None, None
     model_file = path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
-    state = torch.load(model_file, map_location="cpu", weights_only=True)
+    state = load_file(model_file)
     # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).
     partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
     _load_module(engine, path, state["module"], strict, partitioned, custom_load_fn)
@@ -374,11 +419,11 @@ def load_checkpoint(
         from_shards and engine._config.zero_optimization.load_from_fp32_weights
     ):
         _load_weights_from_shards(engine, path / _zero_dir(engine))
-    if from_shards:
-        load_sharded_checkpoint(path / _zero_dir(engine), optimizer)
+    if from_shards:  # the files were verified with the directory
+        load_sharded_checkpoint(path / _zero_dir(engine), optimizer, verified=True)
     elif optimizer_states and optimizer is not None:
         optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
-        optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(load_file(optim_file))
     elif isinstance(optimizer, _ZERO):
         optimizer.refresh_fp32_params()  # the fp32 masters from the loaded weights
     if module_only:
@@ -393,5 +438,5 @@ def load_checkpoint(
         engine.training_dataloader.load_state_dict(state["data_loader"])
     rng_file = path / _rng_file(engine.global_rank)
     if rng_file.is_file():  # absent when loading on more ranks than saved
-        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        _set_rng_state(load_file(rng_file))
     return str(path), state["client_state"]
