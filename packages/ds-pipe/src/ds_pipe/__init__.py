@@ -36,7 +36,7 @@ from ds_pipe._schedule import (
 )
 from ds_pipe._spec import LayerSpec, TiedLayerSpec
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     # module

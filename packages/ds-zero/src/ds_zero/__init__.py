@@ -73,7 +73,7 @@ from ds_zero.api import (
     ZeroConfig,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     # config
