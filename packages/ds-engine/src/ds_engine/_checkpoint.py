@@ -393,6 +393,19 @@ def load_checkpoint(
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint written by :func:`save_checkpoint` (weights only, never code), or one
     DeepSpeed wrote (see ``ds_engine._deepspeed_ckpt``)."""
+    if engine._config.checkpoint.load_universal:  # DeepSpeed's universal folder layout
+        from ds_engine.checkpoint._universal_load import load_universal_checkpoint
+
+        return load_universal_checkpoint(
+            engine,
+            load_dir,
+            tag=tag,
+            strict=strict,
+            optimizer_states=optimizer_states,
+            lr_scheduler_states=lr_scheduler_states,
+            module_only=module_only,
+            custom_load_fn=custom_load_fn,
+        )
     ds_path = deepspeed_tag_dir(load_dir, tag)
     if ds_path is not None:
         return load_deepspeed_checkpoint(

@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from ds_zero._checkpoint import verify_checkpoint
+from ds_zero._integrity import DIRECTORY_MANIFEST, verify_directory
 from ds_zero._manifest import MANIFEST, CheckpointError, ShardReader, dtype_of
 
 __all__ = [
+    "CheckpointView",
     "RECOVERY_SCRIPT",
     "LazyFp32Tensor",
     "checkpoint_tensors",
@@ -97,6 +99,15 @@ def _engine_module_state(
     return {k: v for k, v in module.items() if k not in frozen}, frozen
 
 
+def _verified(source: Path) -> dict[str, Any]:
+    """:func:`~ds_zero.verify_checkpoint`; inside a ds-engine tag folder (``ds_manifest.json``
+    next to ``zero/``), the whole folder first, since its model file is read too."""
+    if (source.parent / DIRECTORY_MANIFEST).is_file():
+        verify_directory(source.parent)
+        return verify_checkpoint(source, files=False)
+    return verify_checkpoint(source)
+
+
 def checkpoint_tensors(
     source: Path, manifest: Mapping[str, Any], *, exclude_frozen: bool = False
 ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[tuple[str, torch.Tensor]]]:
@@ -155,7 +166,7 @@ def iter_fp32_tensors(
         ...     print(name, tuple(value.shape))
     """
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
-    _, tensors = checkpoint_tensors(source, verify_checkpoint(source))
+    _, tensors = checkpoint_tensors(source, _verified(source))
     yield from tensors
 
 
@@ -191,7 +202,7 @@ def consolidate(
     from tqdm.auto import tqdm
 
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
-    manifest = verify_checkpoint(source)
+    manifest = _verified(source)
     entries, tensors = checkpoint_tensors(
         source, manifest, exclude_frozen=exclude_frozen_parameters
     )
@@ -252,7 +263,7 @@ def lazy_fp32_state_dict(
         >>> lazy["tok.weight"].contiguous()
     """
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
-    manifest = verify_checkpoint(source)
+    manifest = _verified(source)
     reader = ShardReader(source, manifest)
     extras, frozen = _engine_module_state(source, exclude_frozen_parameters)
     state: dict[str, LazyFp32Tensor] = {}
@@ -267,6 +278,54 @@ def lazy_fp32_state_dict(
         if name in state:
             state[alias] = state[name]
     return state
+
+
+class CheckpointView:
+    """A verified sharded checkpoint, read piece by piece: what a converter (``ds-to-universal``)
+    needs without knowing the shard files' layout.
+
+    Attributes:
+        directory: the directory holding ``manifest.json``.
+        shapes: each tensor's shape, in model order (tied aliases left out).
+        aliases: tied name -> the name whose values it shares.
+        stage: the ZeRO stage that saved it.
+
+    Example:
+        >>> view = CheckpointView("ckpts", tag="global_step100")
+        >>> for start, stop in view.pieces("tok.weight"):
+        ...     view.values("tok.weight", start, stop)["exp_avg"]
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> None:
+        self.directory = resolve_checkpoint_dir(checkpoint_dir, tag)
+        self._manifest = _verified(self.directory)
+        self._reader = ShardReader(self.directory, self._manifest)
+        tensors = self._manifest["tensors"]
+        self.shapes = {n: tuple(int(s) for s in e["shape"]) for n, e in tensors.items()}
+        self.aliases: dict[str, str] = dict(self._manifest.get("aliases", {}))
+        self.stage = self._manifest.get("stage")
+
+    def pieces(self, name: str) -> list[tuple[int, int]]:
+        """The element ranges ``[start, stop)`` of ``name`` as the saving ranks held them."""
+        entry = self._reader.entry(name)
+        return sorted((int(a), int(b)) for _, _, a, b in entry["pieces"] if a < b)
+
+    def values(self, name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Elements ``[start, stop)`` of every saved value of ``name`` (``param`` (the fp32
+        master), ``exp_avg``, ...), each a new fp32 1-D tensor."""
+        return self._reader.lookup(name, start, stop)
+
+    def scalars(self) -> dict[str, Any]:
+        """What every rank shared: per param group ``{"hyper", "state"}`` (``state["step"]``),
+        the loss scaler's state and the step counters."""
+        path = self.directory / "scalars.pt"
+        if not path.is_file():
+            raise CheckpointError(f"{str(path)!r} is missing: the checkpoint is incomplete")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def close(self) -> None:
+        """Drop the mapped shard files."""
+        self._reader.close()
 
 
 def write_recovery_script(directory: str | os.PathLike[str]) -> Path:

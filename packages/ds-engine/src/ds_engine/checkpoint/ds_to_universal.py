@@ -1,0 +1,285 @@
+"""``deepspeed.checkpoint.ds_to_universal``: a ZeRO checkpoint as DeepSpeed's universal checkpoint,
+and the ``ds-to-universal`` command (DeepSpeed's flags)::
+
+    ds-to-universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal \\
+        [--num_extract_workers 4] [--num_merge_workers 2] [--keep_temp_folder] [--no_strict] \\
+        [--inject_missing_state]
+
+[Note: universal checkpoint layout]
+DeepSpeed's universal checkpoint (``docs/_tutorials/universal-checkpointing.md``) holds every
+parameter whole, by name, so any world size and ZeRO stage can load it::
+
+    <output_folder>/mp_rank_00_model_states.pt      the model-states file(s), copied
+    <output_folder>/zero/optimizer_state.pt        param-group hyper-parameters, loss scaler
+    <output_folder>/zero/<param name>/fp32.pt      {"param": fp32 master, "cat_dim": 0}
+    <output_folder>/zero/<param name>/exp_avg.pt   the same for each optimizer moment
+    <output_folder>/zero/<param name>/step.pt      the optimizer step
+    <parent of output_folder>/latest_universal    the output folder's name
+
+Conversion runs in DeepSpeed's two phases: *extract* (``num_extract_workers`` threads) writes
+each piece a saving rank held as a fragment ``tmp/<name>/<state>.<first element>``; *merge*
+(``num_merge_workers`` threads) joins each parameter's fragments in element order into its
+files. ``tmp/`` is removed unless ``keep_temp_folder``. ``strict`` checks the output (every
+parameter's files present, each of its shape) and fails naming what is wrong; without it the
+problems are printed. As in DeepSpeed, the model-states file must carry
+``universal_checkpoint_info``, which ``inject_missing_state`` adds when absent (engines that
+are not Megatron-DeepSpeed never write it). Sources: a ds checkpoint (``zero/manifest.json``;
+each saving rank's piece is a fragment) or a DeepSpeed-written one (read whole by
+``ds_engine._deepspeed_ckpt``, without running code: one fragment per parameter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ds_zero
+from ds_engine._deepspeed_ckpt import is_deepspeed_checkpoint, load_file, read_checkpoint
+from ds_engine._deepspeed_ckpt._pickle import save_file
+
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "convert_to_universal", "main", "parse_arguments"]
+
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+_VERSION = {"universal_checkpoint_version": 0.2}
+_STATES = {"param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """DeepSpeed's ``ds_to_universal.py`` command line."""
+    parser = argparse.ArgumentParser(prog="ds-to-universal", allow_abbrev=False)
+    parser.add_argument("--input_folder", required=True, help="the checkpoint's tag folder")
+    parser.add_argument("--output_folder", required=True, help="the universal folder to write")
+    parser.add_argument("--num_extract_workers", type=int, default=4, help="extract threads")
+    parser.add_argument("--num_merge_workers", type=int, default=2, help="merge threads")
+    parser.add_argument("--keep_temp_folder", action="store_true", help="keep the tmp/ fragments")
+    parser.add_argument("--strict", dest="strict", action="store_true", default=True)
+    parser.add_argument(
+        "--no_strict", dest="strict", action="store_false", help="report problems, do not fail"
+    )
+    parser.add_argument(
+        "--inject_missing_state",
+        action="store_true",
+        help=f"add {UNIVERSAL_CHECKPOINT_INFO} to the model states when absent",
+    )
+    return parser.parse_args(argv)
+
+
+def _parallel(work: Callable[[Any], None], items: Iterable[Any], workers: int) -> None:
+    items = list(items)
+    if workers <= 1:
+        for item in items:
+            work(item)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for _ in pool.map(work, items):
+            pass
+
+
+def _model_files(source: Path) -> list[Path]:
+    files = sorted(source.glob("*model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{str(source)!r} has no *model_states.pt file: not a tag folder")
+    return files
+
+
+def _check_info(files: Sequence[Path], inject: bool) -> list[tuple[Path, dict[str, Any] | None]]:
+    """Each model-states file, with its content when ``universal_checkpoint_info`` had to be
+    injected (None: copied as it is)."""
+    out: list[tuple[Path, dict[str, Any] | None]] = []
+    for file in files:
+        state = dict(load_file(file))  # never runs code; DeepSpeed's types allowed
+        if UNIVERSAL_CHECKPOINT_INFO in state:
+            out.append((file, None))
+            continue
+        if UNIVERSAL_CHECKPOINT_INFO not in state:
+            if not inject:
+                raise ValueError(
+                    f"{str(file)!r} has no {UNIVERSAL_CHECKPOINT_INFO!r} (only Megatron-DeepSpeed "
+                    "clients write it); pass --inject_missing_state (inject_missing_state=True) "
+                    "to add it, as with DeepSpeed's ds_to_universal"
+                )
+            state[UNIVERSAL_CHECKPOINT_INFO] = dict(_VERSION)
+        out.append((file, state))
+    return out
+
+
+class _DeepSpeedSource:
+    """A DeepSpeed tag folder, read whole, seen as a :class:`ds_zero.CheckpointView`."""
+
+    def __init__(self, path: Path) -> None:
+        self.state = read_checkpoint(path, [])
+        if not self.state.fp32:
+            raise ValueError(
+                f"{str(path)!r} holds no ZeRO optimizer files (stage 0): a universal checkpoint "
+                "needs ZeRO stage 1-3, as in DeepSpeed"
+            )
+        self.stage = self.state.stage
+        shapes: dict[str, tuple[int, ...]] = {}
+        for group in self.state.engine.get("param_shapes") or []:
+            shapes.update({n: tuple(int(d) for d in s) for n, s in group.items()})
+        self.shapes = {n: shapes.get(n, (v.numel(),)) for n, v in self.state.fp32.items()}
+
+    def pieces(self, name: str) -> list[tuple[int, int]]:
+        return [(0, self.state.fp32[name].numel())]
+
+    def values(self, name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        out = {"param": self.state.fp32[name][start:stop]}
+        out.update({k: v[start:stop] for k, v in self.state.moments.get(name, {}).items()})
+        return out
+
+    def scalars(self) -> dict[str, Any]:
+        groups = [
+            {"hyper": g["hyper"], "state": {} if g["step"] is None else {"step": g["step"]}}
+            for g in self.state.groups
+        ]
+        return {"param_groups": groups, "loss_scaler": self.state.loss_scaler}
+
+    def close(self) -> None:
+        pass
+
+
+def _extract(view: Any, temp: Path, workers: int) -> None:
+    """Phase 1: one fragment file per saved piece and state."""
+
+    def work(item: tuple[str, int, int]) -> None:
+        name, start, stop = item
+        folder = temp / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for value, tensor in view.values(name, start, stop).items():
+            torch.save(tensor.clone(), folder / f"{_STATES.get(value, value)}.{start:012d}")
+
+    _parallel(work, [(n, a, b) for n in view.shapes for a, b in view.pieces(n)], workers)
+
+
+def _merge(
+    shapes: dict[str, tuple[int, ...]], temp: Path, zero: Path, step: Any, workers: int
+) -> None:
+    """Phase 2: each parameter's fragments joined, in element order, into its state files."""
+
+    def work(name: str) -> None:
+        folder, out = temp / name, zero / name
+        out.mkdir(parents=True, exist_ok=True)
+        states = sorted({p.name.rsplit(".", 1)[0] for p in folder.iterdir()})
+        for state in states:
+            parts = sorted(folder.glob(f"{state}.*"), key=lambda p: int(p.suffix[1:]))
+            flat = torch.cat([torch.load(p, weights_only=True) for p in parts])
+            torch.save({"param": flat.view(shapes[name]), "cat_dim": 0}, out / f"{state}.pt")
+        if step is not None:
+            torch.save(step, out / "step.pt")
+
+    _parallel(work, list(shapes), workers)
+
+
+def _problems(shapes: dict[str, tuple[int, ...]], zero: Path) -> list[str]:
+    problems = []
+    for name, shape in shapes.items():
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = zero / name / f"{state}.pt"
+            if not path.is_file():
+                problems.append(f"{path} was not written")
+                continue
+            got = tuple(torch.load(path, weights_only=True)["param"].shape)
+            if got != shape:
+                problems.append(f"{path} has shape {got}, the parameter's is {shape}")
+    return problems
+
+
+def _optimizer_state(scalars: dict[str, Any], stage: Any) -> tuple[dict[str, Any], Any]:
+    groups = []
+    step = None
+    for g in scalars["param_groups"]:
+        groups.append({**g["hyper"], "params": []})
+        if step is None and "step" in g["state"]:
+            step = g["state"]["step"]
+    state = {
+        "param_groups": groups,
+        "loss_scaler": scalars.get("loss_scaler"),
+        "zero_stage": stage,
+        "counters": scalars.get("counters", {}),
+    }
+    return state, step
+
+
+def convert_to_universal(
+    input_folder: str | Path,
+    output_folder: str | Path,
+    *,
+    num_extract_workers: int = 4,
+    num_merge_workers: int = 2,
+    keep_temp_folder: bool = False,
+    strict: bool = True,
+    inject_missing_state: bool = False,
+) -> Path:
+    """Write the ZeRO checkpoint tag folder ``input_folder`` as a universal checkpoint (see
+    [Note: universal checkpoint layout]); returns the output folder.
+
+    Example:
+        >>> convert_to_universal("ckpt/global_step9", "ckpt/global_step9_universal",
+        ...                      inject_missing_state=True)
+    """
+    for flag, value in (
+        ("num_extract_workers", num_extract_workers),
+        ("num_merge_workers", num_merge_workers),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} = {value!r}: expected a whole number >= 1")
+    source, out = Path(input_folder), Path(output_folder)
+    models = _check_info(_model_files(source), inject_missing_state)
+    view = _DeepSpeedSource(source) if is_deepspeed_checkpoint(source) else None
+    view = view or ds_zero.CheckpointView(source)
+    zero, temp = out / "zero", out / "tmp"
+    shutil.rmtree(out, ignore_errors=True)
+    zero.mkdir(parents=True)
+    try:
+        optimizer_state, step = _optimizer_state(view.scalars(), view.stage)
+        print("*** 1. Extracting ZeRO fragments", file=sys.stderr)
+        _extract(view, temp, num_extract_workers)
+        print("*** 2. Merging slices", file=sys.stderr)
+        _merge(view.shapes, temp, zero, step, num_merge_workers)
+    finally:
+        view.close()
+    print("*** 3. Saving common optimizer states", file=sys.stderr)
+    torch.save(optimizer_state, zero / "optimizer_state.pt")
+    if not keep_temp_folder:
+        shutil.rmtree(temp, ignore_errors=True)
+    for file, state in models:
+        if state is None:
+            shutil.copy2(file, out / file.name)
+        else:
+            save_file(state, out / file.name)  # DeepSpeed's own types keep their names
+    problems = _problems(view.shapes, zero)
+    if problems and strict:
+        raise ValueError(
+            f"universal checkpoint {str(out)!r} is incomplete:\n  " + "\n  ".join(problems)
+        )
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    (out.parent / "latest_universal").write_text(out.name)
+    return out
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """``ds-to-universal``: convert, with DeepSpeed's flags."""
+    if not isinstance(args, argparse.Namespace):
+        args = parse_arguments(args)
+    convert_to_universal(
+        args.input_folder,
+        args.output_folder,
+        num_extract_workers=args.num_extract_workers,
+        num_merge_workers=args.num_merge_workers,
+        keep_temp_folder=args.keep_temp_folder,
+        strict=args.strict,
+        inject_missing_state=args.inject_missing_state,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
