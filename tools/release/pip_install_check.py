@@ -33,6 +33,7 @@ Run from the repository root: ``python tools/release/pip_install_check.py [--fre
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import email.parser
 import hashlib
 import json
@@ -161,13 +162,23 @@ class Checker:
     def _pip_args(self, *names: str) -> list[str]:
         return ["--find-links", str(self.dist), "-c", str(self.constraints), *names]
 
-    def _torch_layer(self) -> str:
-        """The base venv's site-packages, holding torch and its dependencies (made once)."""
+    def torch_layer(self) -> str:
+        """The base venv's site-packages, holding torch and its dependencies (made once, and
+        kept in the work folder for the next run with the same torch pin: it is only a cache of
+        pip's own install of torch)."""
         if self.layer is None:
             start = time.monotonic()
-            python = _venv(self.work / "torch-layer")
-            summary = _pip_install(python, self._pip_args("torch"), self.work / "torch-layer.log")
-            self.layer = _site_packages(python)
+            folder, marker = self.work / "torch-layer", self.work / "torch-layer.ok"
+            pin = self.constraints.read_text()
+            if marker.is_file() and marker.read_text() == pin and folder.is_dir():
+                summary = f"reused {folder} ({pin.strip() or 'torch'})"
+            else:
+                marker.unlink(missing_ok=True)
+                python = _venv(folder)
+                args = ["--no-compile", *self._pip_args("torch")]
+                summary = _pip_install(python, args, self.work / "torch-layer.log")
+                marker.write_text(pin)
+            self.layer = _site_packages(folder / "bin" / "python")
             print(f"torch layer: {summary} ({time.monotonic() - start:.0f} s)", flush=True)
         return self.layer
 
@@ -177,7 +188,7 @@ class Checker:
         python = _venv(self.work / name)
         if not self.fresh and _needs_torch(name, self.wheels):
             Path(_site_packages(python), "_ds_torch_layer.pth").write_text(
-                self._torch_layer() + "\n"
+                self.torch_layer() + "\n"
             )
         summary = _pip_install(python, self._pip_args(name), self.work / f"{name}.log")
         problems = []
@@ -204,12 +215,9 @@ class Checker:
         tree = "\n".join(probe["tree"])
         (self.work / f"{name}.tree.txt").write_text(f"{summary}\n{tree}\n")
         status = "FAILED" if problems else "ok"
-        print(
-            f"\n== {name}: {status} ({time.monotonic() - start:.0f} s)\n{summary}\n{tree}",
-            flush=True,
-        )
-        for problem in problems:
-            print(f"   problem: {problem}", flush=True)
+        report = [f"\n== {name}: {status} ({time.monotonic() - start:.0f} s)", summary, tree]
+        report += [f"   problem: {problem}" for problem in problems]
+        print("\n".join(report), flush=True)  # one write: checks may run in parallel
         return problems
 
     @staticmethod
@@ -252,12 +260,19 @@ def main(argv: list[str] | None = None) -> int:
         "--work", type=Path, default=Path("build/pip-install"), help="venvs and logs"
     )
     parser.add_argument("--fresh", action="store_true", help="no shared torch layer (see the note)")
+    parser.add_argument(
+        "--jobs", type=int, default=min(os.cpu_count() or 1, 4), help="members checked at once"
+    )
     args = parser.parse_args(argv)
     checker = Checker(args.dist, args.work, args.fresh)
     names = args.names or sorted(checker.wheels)
     if unknown := sorted(set(names) - set(checker.wheels)):
         parser.error(f"no wheel in {args.dist} for {unknown}; run `nox -s build` first")
-    failed = {name: problems for name in names if (problems := checker.check(name))}
+    if not args.fresh and any(_needs_torch(name, checker.wheels) for name in names):
+        checker.torch_layer()  # once, before the parallel checks share it
+    with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+        results = dict(zip(names, pool.map(checker.check, names)))
+    failed = {name: problems for name, problems in results.items() if problems}
     if failed:
         print(f"\nFAILED: {sorted(failed)}", file=sys.stderr)
         return 1

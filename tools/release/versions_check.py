@@ -206,6 +206,8 @@ def api_problems(member: Member) -> list[str]:
                 module, search_paths=[Path(tmp, member.folder, "src")], allow_inspection=False
             )
             for breakage in griffe.find_breaking_changes(old, current):
+                if _attribute_became_callable(breakage):
+                    continue
                 change = f"{breakage.kind.value}: {breakage.old_value!s} -> {breakage.new_value!s}"
                 problems.append(
                     f"{member.name} {member.version}: {breakage.obj.path}: {change} "
@@ -213,6 +215,18 @@ def api_problems(member: Member) -> list[str]:
                     f"{member.version} -> {'.'.join(map(str, _next_series(member.version)))})"
                 )
     return problems
+
+
+def _attribute_became_callable(breakage: object) -> bool:
+    """A module or class attribute that is now a class or function (a refusal placeholder or an
+    alias replaced by the real thing): the name still resolves, and callers of the old value
+    had no signature to rely on, so this is not a break."""
+    kind = getattr(breakage, "kind", None)
+    old = getattr(breakage, "old_value", None)
+    return (
+        getattr(kind, "name", "") == "OBJECT_CHANGED_KIND"
+        and getattr(old, "value", str(old)) == "attribute"
+    )
 
 
 def _next_series(version: str) -> tuple[int, ...]:
