@@ -152,10 +152,13 @@ def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
     index = {}
     for name, t in stored:
         storage = t.untyped_storage()
+        start, nbytes = storage.data_ptr() - base, storage.nbytes()
+        if t.is_contiguous():  # the tensor's own bytes (views of one flat buffer share storage)
+            start += t.storage_offset() * t.element_size()
+            nbytes = t.numel() * t.element_size()
         index[name] = {
-            "offset": storage.data_ptr() - base,
-            "nbytes": storage.nbytes(),
-            "storage_offset": t.storage_offset(),
+            "offset": start,
+            "nbytes": nbytes,
             "shape": list(t.shape),
             "dtype": str(t.dtype),
         }

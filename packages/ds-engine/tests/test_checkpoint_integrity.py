@@ -1,0 +1,305 @@
+"""End-to-end checkpoint integrity: a corruption matrix (kind x file x load path) where every
+case is refused with an error naming the file (and the tensor where one is hit), on every rank,
+before any value is used; and clear errors for truncated or invalid files of every kind.
+
+The matrix runs in-process against :func:`ds_zero.verify_directory`, the check every load path
+runs first (``resolve_checkpoint``), for every file of a two-rank ZeRO-2 checkpoint; the load
+paths themselves (full, ``load_module_only``, ``load_optimizer_states=False``, zero-to-fp32)
+are then run on two ranks against a corrupted copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_testing import config, loss_of, make_dataset, make_mlp
+
+TAG = "t"
+
+
+def _engine(seed: int = 0):
+    import ds_engine
+
+    cfg = config(
+        zero_optimization={"stage": 2},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+    )
+    engine, *_ = ds_engine.initialize(model=make_mlp(seed), config=cfg)
+    return engine
+
+
+def _save_body(rank: int, world_size: int, *, root: str) -> None:
+    engine = _engine()
+    data = make_dataset(32)
+    for step in range(2):
+        at = 8 * step + 4 * rank
+        engine.backward(loss_of(engine, [t[at : at + 4] for t in data.tensors]))
+        engine.step()
+    engine.save_checkpoint(root, tag=TAG, client_state={"note": "saved"})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("integrity") / "ckpt"
+    run_on_ranks(_save_body, 2, root=str(root), timeout=300)
+    return root
+
+
+def _files(root: Path) -> list[str]:
+    folder = root / TAG
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+# --- corruptions -----------------------------------------------------------------------------------
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _swap(path: Path) -> str:
+    """Swap with the other file of the same kind (rank 0's with rank 1's), or else any other."""
+    folder = path.parent
+    same = sorted(p for p in folder.iterdir() if p != path and p.suffix == path.suffix)
+    kin = [p for p in same if p.name.rstrip("0123456789.pt") == path.name.rstrip("0123456789.pt")]
+    other = (kin or same or [p for p in folder.parent.rglob("*") if p.is_file() and p != path])[0]
+    a, b = path.read_bytes(), other.read_bytes()
+    path.write_bytes(b)
+    other.write_bytes(a)
+    return other.name
+
+
+KINDS: dict[str, Callable[[Path], str | None]] = {
+    "flip byte": _flip,
+    "truncate": _truncate,
+    "delete": _delete,
+    "swap files": _swap,
+}
+
+
+def _refusal(root: Path) -> str:
+    from ds_engine._checkpoint import resolve_checkpoint
+    from ds_zero import CheckpointError
+
+    with pytest.raises((CheckpointError, FileNotFoundError)) as info:
+        resolve_checkpoint(root, TAG)
+    return str(info.value)
+
+
+def test_every_corruption_of_every_file_is_refused_naming_the_file(
+    saved: Path, tmp_path: Path
+) -> None:
+    files = _files(saved)
+    assert {"mp_rank_00_model_states.pt", "rng_state_rank00001.pt", "ds_manifest.json"} <= set(
+        files
+    )
+    assert any(f.startswith("zero/zero_shards_rank") for f in files)
+    table = []
+    for kind, corrupt in KINDS.items():
+        for file in files:
+            root = tmp_path / "c"
+            shutil.copytree(saved, root)
+            partner = corrupt(root / TAG / file)
+            message = _refusal(root)
+            assert file in message or (partner and partner in message), (kind, file, message)
+            table.append((kind, file, message.splitlines()[-1].strip()[:90]))
+            shutil.rmtree(root)
+    print("\n".join(" | ".join(row) for row in table))
+
+
+def test_a_flipped_tensor_byte_names_the_tensor(saved: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    manifest = json.loads((root / TAG / "ds_manifest.json").read_text())
+    entry = manifest["files"]["mp_rank_00_model_states.pt"]["tensors"]["module/3.weight"]
+    path = root / TAG / "mp_rank_00_model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 4] ^= 0x01
+    path.write_bytes(bytes(data))
+    message = _refusal(root)
+    assert "mp_rank_00_model_states.pt corrupted" in message
+    assert "tensor 'module/3.weight' (torch.float32 [4, 16] at byte" in message
+
+
+def _edit_global_steps(folder: Path) -> None:
+    path = folder / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["global_steps"] += 1000
+    torch.save(state, path)
+
+
+def _repoint_piece(folder: Path) -> None:
+    """Point one tensor's piece at another tensor's key in the same file (the manifest sealed
+    again, as a faulty writer would; the sizes here differ, the binding is checked first)."""
+    from ds_zero._integrity import seal
+
+    path = folder / "zero" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    pieces = [(n, p) for n, e in manifest["tensors"].items() for p in e["pieces"]]
+    name, piece = pieces[0]
+    other = next(p for n, p in pieces if n != name and p[0] == piece[0])
+    piece[1] = other[1]
+    path.write_text(json.dumps(seal(manifest)))
+
+
+def _swap_piece_files(folder: Path) -> None:
+    from ds_zero._integrity import seal
+
+    path = folder / "zero" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    entry = next(e for e in manifest["tensors"].values() if len(e["pieces"]) == 2)
+    entry["pieces"][0][0], entry["pieces"][1][0] = entry["pieces"][1][0], entry["pieces"][0][0]
+    path.write_text(json.dumps(seal(manifest)))
+
+
+def _add_file(folder: Path) -> None:
+    shutil.copy(folder / "rng_state_rank00001.pt", folder / "rng_state_rank00002.pt")
+
+
+EDITS = {
+    "edit global_steps": (_edit_global_steps, "mp_rank_00_model_states.pt"),
+    "repoint manifest piece": (_repoint_piece, "zero/manifest.json"),
+    "swap pieces' files": (_swap_piece_files, "zero/manifest.json"),
+    "add an unlisted rank file": (_add_file, "rng_state_rank00002.pt"),
+}
+
+
+@pytest.mark.parametrize("kind", list(EDITS))
+def test_plausible_edits_are_refused_naming_the_file(
+    saved: Path, tmp_path: Path, kind: str
+) -> None:
+    edit, file = EDITS[kind]
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    edit(root / TAG)
+    assert file in _refusal(root)
+
+
+def test_a_repointed_piece_is_refused_by_the_zero_manifest_alone(
+    saved: Path, tmp_path: Path
+) -> None:
+    """zero-to-fp32 and universal loading of a bare ds-zero folder check the bindings too."""
+    from ds_zero import CheckpointError, verify_checkpoint
+
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    _repoint_piece(root / TAG)
+    with pytest.raises(CheckpointError, match="the manifest does not match the file"):
+        verify_checkpoint(root / TAG / "zero")
+
+
+# --- clear errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [(b"", "should hold one checkpoint tag"), (b"\x80\xff\x00binary", "is not text")],
+)
+def test_a_broken_latest_file_is_named(saved: Path, tmp_path: Path, content, says) -> None:
+    from ds_engine._checkpoint import resolve_checkpoint
+    from ds_zero import CheckpointError
+
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    (root / "latest").write_bytes(content)
+    with pytest.raises(CheckpointError, match=says) as info:
+        resolve_checkpoint(root, None)
+    assert str(root / "latest") in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["", '{"format": "ds.checkpoint/1", "fil', "[1, 2]", "\x00\xff"])
+def test_a_broken_manifest_is_named(saved: Path, tmp_path: Path, text: str) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    (root / TAG / "ds_manifest.json").write_bytes(text.encode("latin-1"))
+    message = _refusal(root)
+    assert "ds_manifest.json" in message
+    assert any(s in message for s in ("empty", "not valid JSON", "not an object", "UTF-8"))
+
+
+def test_unreadable_checkpoint_files_are_named_by_load_file(tmp_path: Path) -> None:
+    from ds_zero import CheckpointError, load_file
+
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.ones(100)}, path)
+    with open(path, "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(CheckpointError, match=r"x\.pt' \(200 bytes\) cannot be read"):
+        load_file(path)
+
+
+# --- every load path, on two ranks -----------------------------------------------------------------
+
+
+def _load_paths_body(rank: int, world_size: int, *, root: str) -> list[str]:
+    """Each load path on a checkpoint whose rank-1 rng file and model file are corrupted: every
+    rank raises the same error (none hangs), naming the file, before any value is used."""
+    from ds_zero import CheckpointError
+
+    engine = _engine(seed=5)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    messages = []
+    for kwargs in (
+        {},
+        {"load_module_only": True},
+        {"load_optimizer_states": False},
+        {"load_optimizer_states": False, "load_lr_scheduler_states": False},
+    ):
+        try:
+            engine.load_checkpoint(root, tag=TAG, **kwargs)
+        except CheckpointError as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError(f"load_checkpoint(**{kwargs}) loaded a corrupted checkpoint")
+        for n, p in engine.module.named_parameters():
+            assert torch.equal(p, before[n]), f"{n} changed before the check refused"
+        assert engine.global_steps == 0
+    return messages
+
+
+def test_every_load_path_refuses_on_every_rank(saved: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    _flip(root / TAG / "rng_state_rank00001.pt")
+    _flip(root / TAG / "mp_rank_00_model_states.pt")
+    results = run_on_ranks(_load_paths_body, 2, root=str(root), timeout=300)
+    assert results[0] == results[1]  # the same verdict on every rank
+    for message in results[0]:
+        assert "rng_state_rank00001.pt corrupted" in message
+        assert "mp_rank_00_model_states.pt corrupted" in message
+
+
+def test_zero_to_fp32_refuses_a_corrupted_engine_checkpoint(saved: Path, tmp_path: Path) -> None:
+    from ds_zero import CheckpointError, consolidate
+
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    _flip(root / TAG / "mp_rank_00_model_states.pt")  # its buffers are read by zero_to_fp32
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt corrupted"):
+        consolidate(root, tag=TAG, progress=False)
+    shutil.rmtree(root)
+    shutil.copytree(saved, root)
+    assert set(consolidate(root, tag=TAG, progress=False)) == {
+        n for n, _ in make_mlp().named_parameters()
+    }
