@@ -33,7 +33,6 @@ import torch
 
 from ds_zero._checkpoint import verify_checkpoint
 from ds_zero._integrity import DIRECTORY_MANIFEST, verify_directory
-from ds_zero._integrity import DIRECTORY_MANIFEST, verify_directory
 from ds_zero._manifest import MANIFEST, CheckpointError, ShardReader, dtype_of
 
 __all__ = [
@@ -98,15 +97,6 @@ def _engine_module_state(
         )
     frozen = set(saved.get("frozen_param_shapes", {})) if exclude_frozen else set()
     return {k: v for k, v in module.items() if k not in frozen}, frozen
-
-
-def _verified(source: Path) -> dict[str, Any]:
-    """:func:`~ds_zero.verify_checkpoint`; inside a ds-engine tag folder (``ds_manifest.json``
-    next to ``zero/``), the whole folder first, since its model file is read too."""
-    if (source.parent / DIRECTORY_MANIFEST).is_file():
-        verify_directory(source.parent)
-        return verify_checkpoint(source, files=False)
-    return verify_checkpoint(source)
 
 
 def _verified(source: Path) -> dict[str, Any]:
