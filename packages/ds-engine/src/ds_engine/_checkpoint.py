@@ -58,6 +58,7 @@ from ds_zero import (
     save_sharded_checkpoint,
     verify_directory,
     write_directory_manifest,
+    write_recovery_script,
 )
 from ds_zero import save_fsynced as _write  # module-level name: the crash test patches it
 
@@ -169,9 +170,17 @@ def _module_state(engine: DeepSpeedEngine, exclude_frozen: bool) -> dict[str, An
 
 def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], exclude_frozen: bool):
     loader = engine.training_dataloader
+    module = engine.module
     return {
         "module": _module_state(engine, exclude_frozen),
-        "zero_shard_keys": sorted(_partitioned_keys(engine.module)),
+        "zero_shard_keys": sorted(_partitioned_keys(module)),
+        # DeepSpeed's keys: what zero_to_fp32's exclude_frozen_parameters leaves out.
+        "buffer_names": [n for n, _ in module.named_buffers()],
+        "frozen_param_shapes": {
+            n: tuple(getattr(p, "ds_shape", p.shape))
+            for n, p in module.named_parameters()
+            if not p.requires_grad
+        },
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -284,6 +293,8 @@ def save_checkpoint(
             save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
         elif optimizer is not None and engine.dp_rank == 0:
             _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
+    if rank == 0 and isinstance(engine.optimizer, _ZERO):
+        write_recovery_script(save_dir)  # as DeepSpeed copies zero_to_fp32.py there
     return Path(save_dir) / tag
 
 

@@ -73,8 +73,9 @@ class CheckpointConfig:
     Attributes:
         tag_validation: ``"Ignore"``, ``"Warn"`` (default) or ``"Fail"``: what the engine does
             when ranks save under different tags. Stored upper-case, as DeepSpeed compares it.
-        load_universal: load a universal checkpoint (any world size / stage); ds's checkpoints
-            re-partition on load either way, so this only states the intent.
+        load_universal: ``load_checkpoint`` reads a universal folder (DeepSpeed's layout, from
+            ``ds-to-universal``; the tag ``latest_universal`` names) at any world size / stage.
+            ds's own checkpoints re-partition on load without it.
         use_node_local_storage: every node writes its own copy (local rank 0 saves the
             replicated files) instead of global rank 0 on shared storage.
         parallel_write: ``{"pipeline_stage": false}``; pipelined parallel writes are not

@@ -1,9 +1,11 @@
-"""``deepspeed.checkpoint``: checkpoint helpers (``checkpoint.utils``).
+"""``deepspeed.checkpoint``: checkpoint helpers (``checkpoint.utils``) and DeepSpeed's universal
+checkpoint converter (``checkpoint.ds_to_universal``, also the ``ds-to-universal`` command; a
+universal folder loads with ``checkpoint: {load_universal: true}``; see docs/checkpoints.md).
 
-DeepSpeed's universal-checkpoint tools (``DeepSpeedCheckpoint``, ``ds_to_universal``) are not
-implemented in ds: those names import and refuse use. ds's checkpoints load across data-parallel
-sizes directly (ds-zero's sharded checkpoints), and ``deepspeed.utils.zero_to_fp32`` consolidates
-them.
+``DeepSpeedCheckpoint`` (DeepSpeed's tensor/pipeline-parallel reshaping reader) is not
+implemented in ds: the name imports and refuses use. ds's checkpoints load across data-parallel
+sizes directly (ds-zero's sharded checkpoints), and ``deepspeed.utils.zero_to_fp32``
+consolidates them.
 """
 
 from __future__ import annotations
