@@ -37,7 +37,7 @@ def _moe_combine_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(K):
+    for j in tl.static_range(K):  # pyright: ignore  (Triton's compile-time range)
         slot = tl.load(token_slot_ptr + token * K + j).to(tl.int64)
         # A dropped choice (-1) reads row 0 with every column masked off: it loads nothing.
         readable = cols < tl.where(slot >= 0, hidden, 0)
@@ -54,7 +54,7 @@ def _moe_combine_weight_grad_kernel(
     grad_ptr, expert_ptr, token_slot_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK: tl.constexpr
 ):
     token = tl.program_id(0).to(tl.int64)
-    for j in tl.static_range(K):
+    for j in tl.static_range(K):  # pyright: ignore  (Triton's compile-time range)
         slot = tl.load(token_slot_ptr + token * K + j).to(tl.int64)
         limit = tl.where(slot >= 0, hidden, 0)  # a dropped choice reads nothing
         source = tl.maximum(slot, 0)

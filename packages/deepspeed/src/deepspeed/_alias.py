@@ -27,6 +27,7 @@ import importlib.machinery
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 __all__ = ["TARGET", "AliasFinder", "AliasLoader", "install"]
 
@@ -41,7 +42,9 @@ class AliasLoader(importlib.abc.Loader):
 
     def __init__(self, module: ModuleType) -> None:
         self._module = module
-        self._spec = module.__spec__
+        spec = module.__spec__
+        assert spec is not None  # an imported module always has one
+        self._spec: importlib.machinery.ModuleSpec = spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         return self._module
@@ -53,7 +56,8 @@ class AliasLoader(importlib.abc.Loader):
     def get_code(self, fullname: str) -> object:
         """The real module's code, for ``python -m deepspeed.<path>`` (runpy runs it as
         ``__main__``, so ``python -m deepspeed.launcher.runner`` starts ds-launch)."""
-        return self._spec.loader.get_code(self._spec.name)
+        loader: Any = self._spec.loader  # a module imported from source has a SourceLoader
+        return loader.get_code(self._spec.name)
 
     def is_package(self, fullname: str) -> bool:
         return self._spec.submodule_search_locations is not None

@@ -198,7 +198,7 @@ class WaitOnce:
     """
 
     def __init__(self, work: Any) -> None:
-        self._work = work
+        self._work: Any = work
         self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -297,7 +297,7 @@ def _alltoall(
     in_splits: list[int],
 ) -> Any:
     """Start ``all_to_all_single`` on ``group`` (flat tensors; splits count elements)."""
-    pg = dist.group.WORLD if group is None else group
+    pg: Any = dist.group.WORLD if group is None else group
     if hasattr(pg, "alltoall_base"):
         # What torch's all_to_all_single calls, minus its Python wrapper: ~25 us saved per
         # call on a core that has just woken from a wait, which is 10% of a 1 MiB transfer.

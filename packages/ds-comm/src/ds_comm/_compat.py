@@ -87,7 +87,8 @@ def get_backend(group: Any = None) -> str:
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
     """The global rank of ``group``'s rank ``group_rank`` (the default group when None)."""
     _require_initialized("get_global_rank")
-    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+    world: Any = dist.group.WORLD  # set once the default group exists (checked above)
+    return dist.get_global_rank(group if group is not None else world, group_rank)
 
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:

@@ -202,6 +202,7 @@ def discover(
     if world_size < 1 and source and found_size is None:
         missing.append(" or ".join(source.size))
     if missing:
+        assert source is not None  # only a detected launcher's variables can be missing
         present = [name for name in (*source.rank, *source.size) if _first(env, (name,))]
         raise DistributedEnvError(
             f"incomplete {source.name} launch environment: {', '.join(present)} set but "

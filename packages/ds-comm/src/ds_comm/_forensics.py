@@ -182,7 +182,7 @@ class Incident:
 
 def _pg_timeout_s(group: Any | None) -> float:
     """The timeout the backend applies to ops on ``group`` (c10d's default if unknown)."""
-    pg = group if group is not None else dist.group.WORLD
+    pg: Any = group if group is not None else dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout.total_seconds()

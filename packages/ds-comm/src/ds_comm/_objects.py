@@ -87,6 +87,7 @@ def broadcast_object_list(
     is_src = _root_index("broadcast_object_list", src, member) == member.me
     where = torch.device(device) if device is not None else group_device(group)
     count = len(object_list)
+    payloads: list[torch.Tensor] = []  # filled on src only
     if is_src:
         payloads = [_to_bytes(obj, where) for obj in object_list]
         sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64, device=where)
@@ -147,6 +148,7 @@ def scatter_object_list(
         raise ValueError("scatter_object_list: scatter_object_output_list must be a non-empty list")
     is_src = _root_index("scatter_object_list", src, member) == member.me
     where = group_device(group)
+    payloads: list[torch.Tensor] = []  # filled on src only
     if is_src:
         if scatter_object_input_list is None or len(scatter_object_input_list) != n:
             got = "None" if scatter_object_input_list is None else len(scatter_object_input_list)

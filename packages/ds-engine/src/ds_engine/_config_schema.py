@@ -39,7 +39,7 @@ def _dataclass_schema(cls: Any) -> dict[str, Any]:
             kind = "string" if f.name == "type" else "object"
             properties[f.name] = {"type": kind}
         else:
-            properties[f.name] = _field_schema(f.type, f.default)
+            properties[f.name] = _field_schema(str(f.type), f.default)
     return {"type": "object", "properties": properties, "additionalProperties": False}
 
 

@@ -164,4 +164,5 @@ def config_as_dict(config: Any) -> dict[str, Any]:
     """The parsed config as plain nested dicts (``engine.config`` when no raw dict is given)."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
-    return dict(config.model_dump())
+    model: Any = config  # a pydantic model (DeepSpeed's own config objects)
+    return dict(model.model_dump())

@@ -66,7 +66,7 @@ def _torch_checks() -> list[Check]:
         ),
     ]
     nccl = cuda and dist.is_nccl_available()
-    version = ".".join(map(str, torch.cuda.nccl.version())) if nccl else "unavailable"
+    version = ".".join(map(str, _nccl_version())) if nccl else "unavailable"
     checks.append(Check("NCCL", nccl, version, "" if nccl else "needs CUDA; gloo is used on CPU"))
     for backend, available in (
         ("gloo", dist.is_gloo_available()),
@@ -164,3 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     del argv
     print(format_report(collect()))
     return 0
+
+
+def _nccl_version() -> tuple[Any, ...]:
+    from torch.cuda import nccl
+
+    version: Any = nccl.version()  # (major, minor, patch[, suffix]), or one int on old torch
+    return tuple(version) if isinstance(version, tuple) else (version,)

@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         for names, options in flags:
             group.add_argument(*names, **options)
     for flag in _UNSUPPORTED:
-        value = {"action": "store_const", "const": True} if flag in _SWITCHES else {"nargs": "?"}
+        value: dict[str, Any] = (
+            {"action": "store_const", "const": True} if flag in _SWITCHES else {"nargs": "?"}
+        )
         parser.add_argument(flag, default=None, help=argparse.SUPPRESS, **value)
     parser.add_argument("user_script", help="the program every rank runs")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")

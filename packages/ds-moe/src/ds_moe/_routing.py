@@ -29,7 +29,9 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]  (torch: *grad_outputs)
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
         (token_slot,) = ctx.saved_tensors
         # Each token's gradient is the sum over the slots its choices took.
         return ds_kernels.moe_combine(grad.contiguous(), token_slot), None, None
@@ -50,7 +52,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]  (torch: *grad_outputs)
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         expert_out, weight, token_slot, slot_token, slot_source = ctx.saved_tensors
@@ -79,7 +81,9 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]  (torch: *grad_outputs)
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[None, torch.Tensor]:
         # Equal blocks: the transpose of an all-to-all is the same all-to-all.
         return None, _AllToAll.apply(ctx.group, grad)
 

@@ -119,11 +119,11 @@ class _BatchScheduler(LRScheduler):
         """The lr of every param group at ``batch_iteration`` (-1 is before the first step)."""
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float]:  # pyright: ignore[reportIncompatibleMethodOverride]
         """The lr of every param group at the current batch iteration."""
         return self.lr_at(self.last_batch_iteration)
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[float]:  # pyright: ignore[reportIncompatibleMethodOverride]
         """The lrs most recently written into the optimizer's param groups."""
         return self._last_lr
 
@@ -411,7 +411,7 @@ class WarmupLR(_BatchScheduler):
         if batch_iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma(batch_iteration)
-        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        return [float(lo + (hi - lo) * gamma) for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 
 class WarmupDecayLR(WarmupLR):
@@ -523,7 +523,7 @@ class WarmupCosineLR(_BatchScheduler):
 
     def lr_at(self, batch_iteration: int) -> list[float]:
         ratio = self.ratio_at(batch_iteration)
-        return [base * ratio for base in self.base_lrs]
+        return [float(base * ratio) for base in self.base_lrs]
 
 
 # --- the config section --------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class OneBitLamb(OneBitOptimizer):
         "last_factor": 1.0,
         "scaling_coeff": 1.0,
     }
-    _COUNTERS: ClassVar[dict[str, float]] = {"step": 0, "scaled": 0}
+    _COUNTERS: ClassVar[Mapping[str, float]] = {"step": 0, "scaled": 0}
 
     def __init__(
         self,

@@ -31,7 +31,7 @@ of the model change that the local-step phase averages.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -71,7 +71,7 @@ class ZeroOneAdam(OneBitOptimizer):
     """
 
     _LAZY_BUFFERS: ClassVar[tuple[str, ...]] = ("sync_anchor",)
-    _COUNTERS: ClassVar[dict[str, float]] = {
+    _COUNTERS: ClassVar[Mapping[str, float]] = {
         "step": 0,
         "var_interval": 1,
         "var_counter": 0,

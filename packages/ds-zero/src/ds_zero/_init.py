@@ -26,6 +26,10 @@ innermost enabled context partitions. Stage 3's optimizer takes the partitioner 
 parameters it is given (``p.ds_partitioner``).
 """
 
+# DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
+# torch Parameters at run time, which the type checker cannot see.
+# pyright: reportAttributeAccessIssue=false
+
 from __future__ import annotations
 
 import contextlib
@@ -74,7 +78,7 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     external = module.__dict__.get("_ds_external_params")
     if external is None:
         external = []
-        module._ds_external_params = external
+        object.__setattr__(module, "_ds_external_params", external)  # a plain list attribute
     if not any(q is parameter for q in external):
         external.append(parameter)
 

@@ -82,7 +82,7 @@ def write_hashed(obj: Any, path: Path) -> dict[str, Any]:
     """
     with open(path, "wb") as f:
         writer = ChunkedCrcWriter(f)
-        torch.save(obj, writer)
+        torch.save(obj, writer)  # pyright: ignore[reportArgumentType]  (a file-like writer)
         f.flush()
         os.fsync(f.fileno())
     return writer.record()
@@ -94,7 +94,7 @@ def write_hashed(obj: Any, path: Path) -> dict[str, Any]:
 def build_manifest(
     payloads: Sequence[Mapping[str, Any]],
     *,
-    stage: int,
+    stage: int | None,
     order: Sequence[str] = (),
     aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -103,7 +103,7 @@ def build_manifest(
     Args:
         payloads: per rank ``{"file", "bytes", "crc32", "pieces": [{"name", "shape",
             "dtype", "values", "key", "start", "stop"}, ...]}``.
-        stage: the ZeRO stage that saved it (informational: loading never needs it).
+        stage: the ZeRO stage that saved it, None when unknown (informational: loading never needs it).
         order: parameter names in the model's order (tensors are listed in it; others follow).
         aliases: tied parameter names and the name they share storage with.
 

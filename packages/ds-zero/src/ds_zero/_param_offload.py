@@ -23,6 +23,10 @@ holds parameters weakly: one its model dropped (a weight replaced by tying durin
 its host copy and its file along once it is garbage-collected.
 """
 
+# DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
+# torch Parameters at run time, which the type checker cannot see.
+# pyright: reportAttributeAccessIssue=false
+
 from __future__ import annotations
 
 import os
@@ -31,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -249,8 +253,9 @@ class NvmeShardStore:
             self._pending[p.ds_id] = p
             todo.append(p)
         if todo:
+            reads = [self._shards[p.ds_id].reading for p in todo]  # each set just above
             self.swapper.swap_in(
-                [self._shards[p.ds_id].reading for p in todo],
+                cast("list[torch.Tensor]", reads),
                 [self._shards[p.ds_id].path for p in todo],
                 async_op=True,
             )
@@ -265,6 +270,7 @@ class NvmeShardStore:
         for key, p in self._pending.items():
             shard = self._shards[key]
             tensor, shard.reading = shard.reading, None
+            assert tensor is not None  # a pending shard has its read buffer
             if key in self._resident:  # adopted a newer tensor while the read was in flight
                 continue
             p.ds_tensor = tensor

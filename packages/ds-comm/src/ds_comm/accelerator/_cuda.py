@@ -44,7 +44,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         return "cuda" if device_index is None else f"cuda:{device_index}"
 
     def device(self, device_index: int | None = None) -> torch.device:
-        return torch.device("cuda", device_index)
+        return torch.device("cuda") if device_index is None else torch.device("cuda", device_index)
 
     def set_device(self, device_index: int) -> None:
         torch.cuda.set_device(device_index)
@@ -66,7 +66,10 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
 
     def communication_backend_version(self) -> tuple[int, ...] | int:
         """NCCL's version as torch reports it."""
-        return torch.cuda.nccl.version()
+        from torch.cuda import nccl
+
+        version: Any = nccl.version()  # (major, minor, patch[, suffix])
+        return version
 
     # --- random number generation ----------------------------------------------------------------
 
@@ -194,11 +197,13 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
         graph.replay()
 
     def register_host_memory(self, address: int, num_bytes: int) -> bool:
-        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)))
+        cudart: Any = torch.cuda.cudart()
+        torch.cuda.check_error(int(cudart.cudaHostRegister(address, num_bytes, 0)))
         return True
 
     def unregister_host_memory(self, address: int) -> None:
-        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(address)))
+        cudart: Any = torch.cuda.cudart()
+        torch.cuda.check_error(int(cudart.cudaHostUnregister(address)))
 
     def export_envs(self) -> list[str]:
         return ["NCCL"]
