@@ -3,11 +3,12 @@ backward pass around the layout's reduction, and the sequence norm -> non-finite
 clip -> optimizer step -> publish, reported as a :class:`ds_optim.StepResult`.
 
 [Note: one step]
-``backward(loss)`` scales the loss (loss scale / accumulation steps), arms the layout's gradient
-hooks (``_begin_backward``: whether this pass reduces), runs autograd and waits for the
-reductions (``_end_backward``). ``step()`` at the accumulation boundary:
+``backward(loss)`` scales the loss (loss scale / accumulation steps), arms the layout's reducer
+(``reducer.begin``: whether this pass completes the window), runs autograd, waits for the
+reductions (``reducer.finish``) and ends the residency's iteration (``_end_iteration``: stage
+3's prefetch trace). ``step()`` at the accumulation boundary:
 
-1. reduces what backward left local (``_flush``: stages 0/1 off the boundary);
+1. reduces what backward left local (``reducer.flush``: stages 0/1 off the boundary);
 2. takes the layout's fp32 gradients of the master partitions (``_master_grads``) and their
    global L2 norm (``_global_norm``, reduced over the data-parallel group and any norm group,
    so every rank sees the same value);
@@ -17,11 +18,14 @@ reductions (``_end_backward``). ``step()`` at the accumulation boundary:
 4. scales the gradients once by ``1 / (loss_scale * clip)`` with DeepSpeed's clip rule
    ``clip = max(1, (norm + 1e-6) / gradient_clipping)`` on the unscaled norm;
 5. steps the wrapped optimizer on the masters and publishes them into the model's parameters
-   (``_apply``: the layout's write-back, gathers or shard copies), then zeroes the gradients.
+   (``_apply``: the layout's write-back, gathers or shard copies), then zeroes the gradients
+   (``reducer.zero``).
 
-Stages differ only in the layout the subclass supplies (flat buckets with whole parameters for
-stages 0-2, per-parameter shards with partitioned parameters for stage 3); the sequence above,
-the window and the counters are written once, here.
+Stages differ only in the layout the host class supplies: its reducer (``_reduce.py``'s flat
+buckets for stages 0-2, ``_shard_reduce.py``'s per-parameter shards for stage 3, both through
+``_streams.py``'s collective queue and side stream) with its masters and write-back, and the
+parameter residency (whole, or partitioned with stage 3's gather/release hooks). The sequence
+above, the window and the counters are written once, here.
 """
 
 from __future__ import annotations
@@ -43,16 +47,17 @@ logger = logging.getLogger("ds_zero")
 class GradientCore:
     """The accumulation window and the step sequence (see [Note: one step]).
 
-    The host class sets ``gradient_accumulation_steps``, ``gradient_clipping``, ``loss_scaler``
-    and ``optimizer``, calls :meth:`_init_core`, and supplies the layout: ``_begin_backward``,
-    ``_end_backward``, ``_abort_backward``, ``_flush``, ``_master_grads``, ``_global_norm``,
-    ``_apply`` and ``_zero_grads``.
+    The host class sets ``gradient_accumulation_steps``, ``gradient_clipping``, ``loss_scaler``,
+    ``optimizer`` and ``reducer`` (``begin``/``finish``/``abort``/``flush``/``zero``), calls
+    :meth:`_init_core`, and supplies the rest of the layout: ``_master_grads``,
+    ``_global_norm`` and ``_apply`` (and ``_end_iteration`` for a partitioned residency).
     """
 
     gradient_accumulation_steps: int
     gradient_clipping: float
     loss_scaler: Any
     optimizer: Any
+    reducer: Any
 
     def _init_core(self) -> None:
         self.micro_steps = 0  # backward passes
@@ -67,18 +72,6 @@ class GradientCore:
 
     # --- the layout (supplied by the host class) ------------------------------------------------
 
-    def _begin_backward(self, reduce: bool) -> None:
-        raise NotImplementedError
-
-    def _end_backward(self) -> None:
-        raise NotImplementedError
-
-    def _abort_backward(self) -> None:
-        raise NotImplementedError
-
-    def _flush(self) -> None:
-        raise NotImplementedError
-
     def _master_grads(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
@@ -88,8 +81,8 @@ class GradientCore:
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def _zero_grads(self) -> None:
-        raise NotImplementedError
+    def _end_iteration(self) -> None:
+        """After every backward (also a failed one): the residency's end of an iteration."""
 
     # --- the window -----------------------------------------------------------------------------
 
@@ -142,7 +135,7 @@ class GradientCore:
         already.
         """
         scale = self.loss_scale / self.gradient_accumulation_steps
-        self._begin_backward(self._reduces_now())
+        self.reducer.begin(self._reduces_now())
         try:
             if grad_tensors is not None:
                 outputs = [loss] if torch.is_tensor(loss) else list(loss)
@@ -151,17 +144,19 @@ class GradientCore:
                 if not torch.is_tensor(loss):
                     (loss,) = loss  # a one-element sequence: the pipeline's [loss]
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self._end_backward()
+            self.reducer.finish()
         except BaseException:
-            self._abort_backward()
+            self.reducer.abort()
             raise
+        finally:
+            self._end_iteration()
         self.micro_steps += 1
         self._window += 1
         self._backward_since_step = True
 
     def reduce_gradients(self) -> None:
         """Reduce what backward left local now (``step()`` does it anyway when due)."""
-        self._flush()
+        self.reducer.flush()
 
     def step(self) -> StepResult:
         """Step once ``gradient_accumulation_steps`` backward passes were taken since the last
@@ -175,7 +170,7 @@ class GradientCore:
         if not self._step_due():
             return self._record(StepResult.not_due(self.loss_scale))
         self._window = 0
-        self._flush()
+        self.reducer.flush()
         grads = self._master_grads()
         norm = self._global_norm(grads)
         if not math.isfinite(norm):
@@ -190,7 +185,7 @@ class GradientCore:
         self._apply(grads)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
-        self._zero_grads()
+        self.reducer.zero()
         self.global_steps += 1
         self.overflow = False
         result = StepResult(
@@ -213,7 +208,7 @@ class GradientCore:
                 "inputs)",
                 norm,
             )
-        self._zero_grads()
+        self.reducer.zero()
         result = StepResult(
             boundary=True, applied=False, overflow=True, grad_norm=norm, loss_scale=self.loss_scale
         )

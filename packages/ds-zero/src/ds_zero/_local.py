@@ -27,6 +27,28 @@ from ds_zero.api import MemoryBreakdown
 __all__ = ["SelfReducingStep"]
 
 
+class _LocalGrads:
+    """The reducer interface over gradients left where autograd puts them (``p.grad``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def begin(self, reduce: bool) -> None:
+        """Nothing to arm: the optimizer reduces in its step."""
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def zero(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 class SelfReducingStep(GradientCore):
     """The core over a ``reduces_gradients`` optimizer (see [Note: optimizers that reduce their
     own gradients]).
@@ -56,6 +78,7 @@ class SelfReducingStep(GradientCore):
         self.loss_scaler = loss_scaler
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clipping = 0.0
+        self.reducer = _LocalGrads(optimizer)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._distributed = ds_comm.is_initialized() and ds_comm.get_world_size(group) > 1
         if self._distributed:
@@ -64,18 +87,6 @@ class SelfReducingStep(GradientCore):
         self._init_core()
 
     # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
-
-    def _begin_backward(self, reduce: bool) -> None:
-        """Nothing to arm: the optimizer reduces in its step."""
-
-    def _end_backward(self) -> None:
-        pass
-
-    def _abort_backward(self) -> None:
-        pass
-
-    def _flush(self) -> None:
-        pass
 
     def _master_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]
@@ -91,9 +102,6 @@ class SelfReducingStep(GradientCore):
 
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         self.optimizer.step()
-
-    def _zero_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
 
     # --- the rest of the engine's interface -----------------------------------------------------
 

@@ -252,29 +252,8 @@ class ZeroOptimizer(GradientCore):
 
     # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
 
-    def _begin_backward(self, reduce: bool) -> None:
-        """Stage 2 reduces in every micro-batch; stages 0/1 only at the accumulation boundary."""
-        self.reducer.begin(self.config.shard_gradients or reduce)
-
-    def _end_backward(self) -> None:
-        self.reducer.finish()
-
-    def _abort_backward(self) -> None:
-        self.reducer.abort()
-
-    def _flush(self) -> None:
-        self.reducer.flush()
-
     def _master_grads(self) -> list[torch.Tensor]:
         return [self._master_grad(g) for g in self.groups]
-
-    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad
-        self._step_optimizer()
-
-    def _zero_grads(self) -> None:
-        self.reducer.zero()
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         """The L2 norm of every rank's gradients, each element counted once."""
@@ -331,7 +310,10 @@ class ZeroOptimizer(GradientCore):
             unit.in_partition(grad).copy_(unit.shard(full, self._shard_rank(group)))
         return grad
 
-    def _step_optimizer(self) -> None:
+    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
+        """Step the wrapped optimizer on the masters and publish them into the parameters."""
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
         if self._swap is not None:
             self._swap.swap_in()
         low: list[torch.Tensor] = []

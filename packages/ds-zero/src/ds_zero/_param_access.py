@@ -346,7 +346,7 @@ class _Stage3Backend(_Backend):
         if kind == "grad":
             grad = self.zero.grad_shards[slot.index]
             if grad is None and create_grad:
-                grad = self.zero._grad_shard(slot.index)
+                grad = self.zero.reducer.grad_shard(slot.index)
             return None if grad is None else grad.narrow(0, slot.offset, slot.numel)
         master = self.zero.masters[slot.index]
         if kind != "param":

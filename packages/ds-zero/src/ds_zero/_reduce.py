@@ -235,7 +235,9 @@ class GradReducer:
     # --- a backward pass -------------------------------------------------------------------------
 
     def begin(self, reduce: bool) -> None:
-        """Arm the hooks for one backward; ``reduce`` says whether this pass reduces."""
+        """Arm the hooks for one backward; ``reduce`` says whether this pass completes the
+        accumulation window (stage 2 reduces in every pass)."""
+        reduce = reduce or self.config.shard_gradients
         self._armed, self._reducing = True, reduce
         self._next = 0
         if not self.config.shard_gradients:

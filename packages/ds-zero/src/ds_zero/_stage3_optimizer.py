@@ -9,13 +9,12 @@ concatenated until ``sub_group_size`` elements are exceeded. The wrapped optimiz
 are re-pointed at those flat masters, next to an fp32 gradient shard of the same layout
 (allocated at the first gradient after a step and freed by ``zero_grad``, as torch's
 ``set_to_none``: no rank holds gradient memory between steps). For fp32 parameters whose shards
-live where the masters do, ``p.ds_tensor`` becomes a view of the master (no second copy). During backward each parameter's gradient hook (``Parameter.
-register_post_accumulate_grad_hook``, once per backward even for tied parameters) moves the
-gradient into a bucket of rows ``[rank r's shard of each parameter]``, frees ``p.grad`` and
-releases the parameter; a full bucket (``reduce_bucket_size`` elements) is reduce-scattered
-(asynchronously with ``overlap_comm``, on the side stream of the same
-:class:`~ds_zero._streams.CollectiveQueue` that stages 0-2 reduce through) and the result added
-into the gradient shard, so micro-batches accumulate there. ``step()`` is the core's (``_core.py``, [Note: one step]):
+live where the masters do, ``p.ds_tensor`` becomes a view of the master (no second copy). The
+gradients are reduced into those shards by :class:`~ds_zero._shard_reduce.ShardGradReducer`
+(``_shard_reduce.py``'s [Note: stage 3 gradients]), the per-parameter-shard layout of the
+reducer interface that stages 0-2's flat ``GradReducer`` has too, through the same collective
+queue and side stream; its gradient hook also releases the parameter (the partitioned
+residency). ``step()`` is the core's (``_core.py``, [Note: one step]):
 global norm over the group, non-finite skip, one scaling for loss scale and clipping,
 optimizer step, shards written back (cast to the parameter dtype; under
 ``offload_optimizer`` with ds-optim's ``CPUAdam`` and 16-bit parameters the optimizer writes the
@@ -34,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._core import GradientCore
 from ds_zero._offload import accepts_fp16_param_groups, host_zeros
@@ -46,6 +44,7 @@ from ds_zero._optimizer import (
 )
 from ds_zero._param_access import register_param_owner
 from ds_zero._partitioned import ParamPartitioner, shard_bounds
+from ds_zero._shard_reduce import ShardGradReducer, Slot
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
 from ds_zero._streams import CollectiveQueue
@@ -54,15 +53,6 @@ from ds_zero.api import MemoryBreakdown, ZeroConfig
 __all__ = ["Stage3Optimizer"]
 
 _FORMAT = "ds_zero.stage3/1"
-
-
-class _Slot:
-    """Where one parameter's shard sits in the masters."""
-
-    __slots__ = ("aliased", "index", "numel", "offset")
-
-    def __init__(self, index: int, offset: int, numel: int) -> None:
-        self.index, self.offset, self.numel, self.aliased = index, offset, numel, False
 
 
 class Stage3Optimizer(GradientCore):
@@ -157,11 +147,6 @@ class Stage3Optimizer(GradientCore):
             max_live_parameters=self.config.stage3_max_live_parameters,
             max_reuse_distance=self.config.stage3_max_reuse_distance,
         )
-        self._grad_hooks = [
-            p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._slots_params()
-        ]
-        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._pending_numel = 0
         self.queue = CollectiveQueue(
             self._grad_device(),
             overlap=bool(self.config.overlap_comm),
@@ -169,8 +154,18 @@ class Stage3Optimizer(GradientCore):
             predivide_factor=gradient_predivide_factor,
             comm_dtype=comm_dtype,
         )
-        self._reduced: set[int] = set()
-        self._bucket_bytes = 0
+        # the per-parameter-shard layout; its gradient hook releases the parameter (residency)
+        self.reducer = ShardGradReducer(
+            self._slots_params(),
+            self._slots,
+            self.masters,
+            self.config,
+            self.queue,
+            group=self.group,
+            world_size=self.world_size,
+            release=lambda p: self.partitioner.release([p], free_storage=True),
+            names=self.names,
+        )
         self._init_core()
         register_param_owner(self, self._slots_params())
 
@@ -220,10 +215,7 @@ class Stage3Optimizer(GradientCore):
             )
         offload = self.config.offload_optimizer
         self.masters: list[torch.Tensor] = []
-        # allocated at the first gradient after a step, freed by zero_grad (as torch's
-        # set_to_none): between steps a rank holds no gradient memory
-        self.grad_shards: list[torch.Tensor | None] = []
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, Slot] = {}
         store = self.partitioner.shard_store
         for param_group, params in zip(self.optimizer.param_groups, self.trainable):
             subs: list[list[torch.nn.Parameter]] = [[]]
@@ -243,7 +235,7 @@ class Stage3Optimizer(GradientCore):
                     master = torch.zeros(numel, dtype=torch.float32, device=sub[0].device)
                 offset = 0
                 for p in sub:
-                    slot = _Slot(len(self.masters), offset, p.ds_tensor.numel())
+                    slot = Slot(len(self.masters), offset, p.ds_tensor.numel())
                     if store is not None:
                         store.fetch([p])
                     view = master.narrow(0, offset, slot.numel)
@@ -256,22 +248,13 @@ class Stage3Optimizer(GradientCore):
                     self._slots[id(p)] = slot
                     offset += slot.numel
                 self.masters.append(master)
-                self.grad_shards.append(None)
                 group_masters.append(master)
             param_group["params"] = group_masters
 
-    def _grad_shard(self, index: int) -> torch.Tensor:
-        """Sub-group ``index``'s fp32 gradient shard, allocated zeroed on first use."""
-        grad = self.grad_shards[index]
-        if grad is None:
-            master = self.masters[index]
-            if self.config.offload_optimizer.enabled:
-                pin = self.config.offload_optimizer.pin_memory
-                grad = host_zeros(master.numel(), torch.float32, pin_memory=pin)
-            else:
-                grad = torch.zeros_like(master)
-            self.grad_shards[index] = grad
-        return grad
+    @property
+    def grad_shards(self) -> list[torch.Tensor | None]:
+        """The fp32 gradient shards, one per master sub-group (None between steps)."""
+        return self.reducer.grad_shards
 
     @property
     def prefetch_stats(self) -> PrefetchStats:
@@ -280,106 +263,19 @@ class Stage3Optimizer(GradientCore):
 
     # --- gradient reduction ----------------------------------------------------------------------
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        grad = p.grad
-        if grad is None:
-            return
-        p.grad = None
-        self._pending.append((p, grad))  # type: ignore[arg-type]
-        self._pending_numel += p.ds_tensor.numel() * self.world_size
-        self._reduced.add(id(p))
-        self.partitioner.release([p], free_storage=True)  # type: ignore[list-item]
-        if self._pending_numel >= self.config.reduce_bucket_size:
-            self._launch()
-
     def _grad_device(self) -> torch.device:
         """Where gradients are produced: the device the parameters compute on."""
         params = self._slots_params()
         return self.partitioner._device_of(params[0]) if params else torch.device("cpu")
 
-    def _launch(self) -> None:
-        """Reduce-scatter the pending gradients as one bucket of rows (see [Note: stage 3
-        step]), through the reducer's :class:`~ds_zero._streams.CollectiveQueue`."""
-        entries, self._pending, self._pending_numel = self._pending, [], 0
-        if not entries:
-            return
-        world, queue = self.world_size, self.queue
-        dtype = self._comm_dtype or entries[0][1].dtype
-        cols = sum(p.ds_tensor.numel() for p, _ in entries)
-        with queue.side.use():
-            bucket = torch.zeros(world, cols, dtype=dtype, device=entries[0][1].device)
-            placed = []
-            offset = 0
-            for p, grad in entries:
-                s = p.ds_tensor.numel()
-                flat = grad.reshape(-1)
-                rows, rest = divmod(flat.numel(), s)
-                bucket[:rows, offset : offset + s].copy_(flat[: rows * s].view(rows, s))
-                if rest:
-                    bucket[rows, offset : offset + rest].copy_(flat[rows * s :])
-                queue.side.record(grad)
-                placed.append((p, offset))
-                offset += s
-            del entries
-            flat_bucket = bucket.view(-1)
-            if world == 1:
-                self._land(flat_bucket, placed)
-                return
-            send = queue.send_buffer(flat_bucket)
-            out = torch.empty(cols, dtype=dtype, device=bucket.device)
-            self._bucket_bytes = max(self._bucket_bytes, bucket.nbytes + out.nbytes)
-            work = ds_comm.reduce_scatter_tensor(
-                out, send, group=self.group, async_op=bool(self.config.overlap_comm)
-            )
-        queue.push(work, lambda: self._land(out, placed), max_in_flight=2)
-
-    def _land(self, out: torch.Tensor, placed: list[Any]) -> None:
-        """Scale a reduced bucket and add each parameter's piece into its gradient shard."""
-        if self.queue.postscale != 1.0:
-            out.mul_(self.queue.postscale)
-        for p, offset in placed:
-            slot = self._slots[id(p)]
-            target = self._grad_shard(slot.index).narrow(0, slot.offset, slot.numel)
-            target.add_(out.narrow(0, offset, slot.numel).to(target.device, torch.float32))
-
-    def _finish_reduction(self) -> None:
-        self._launch()
-        self.queue.wait_all()
-        if not self.config.ignore_unused_parameters:
-            unused = [
-                self.names.get(id(p), "?")
-                for p in self._slots_params()
-                if id(p) not in self._reduced
-            ]
-            if unused:
-                raise RuntimeError(
-                    f"parameters got no gradient in this backward: {unused[:5]}; set "
-                    "zero_optimization.ignore_unused_parameters to true to allow it"
-                )
-        self._reduced.clear()
-
-    # --- backward and step -----------------------------------------------------------------------
-
     # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
 
-    def _begin_backward(self, reduce: bool) -> None:
-        """Gradients are reduce-scattered into this rank's shard in every micro-batch."""
-        del reduce
-
-    def _end_backward(self) -> None:
-        self._finish_reduction()  # on an error the core calls _abort_backward
+    def _end_iteration(self) -> None:
+        """The partitioned residency: end the prefetch trace of this forward/backward."""
         self.hooks.end_iteration()
-
-    def _abort_backward(self) -> None:
-        self._pending, self._pending_numel = [], 0
-        self.queue.drop()
-        self.hooks.end_iteration()
-
-    def _flush(self) -> None:
-        """Nothing is left local: every backward reduces."""
 
     def _master_grads(self) -> list[torch.Tensor]:
-        return [self._grad_shard(i) for i in range(len(self.masters))]
+        return [self.reducer.grad_shard(i) for i in range(len(self.masters))]
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         norm_group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
@@ -400,9 +296,6 @@ class Stage3Optimizer(GradientCore):
         for master in self.masters:
             master.grad = None
         self._publish(low or None)
-
-    def _zero_grads(self) -> None:
-        self.zero_grad()
 
     def _publish(self, low: list[torch.Tensor] | None = None) -> None:
         """Write the masters (or their low-precision copies) into the shards, and persistent
@@ -441,15 +334,13 @@ class Stage3Optimizer(GradientCore):
         """Free the gradient shards: the next gradient starts from zero (``set_to_none`` is
         accepted for torch parity)."""
         del set_to_none
-        self.grad_shards = [None] * len(self.masters)
+        self.reducer.zero()
 
     def destroy(self) -> None:
         """Remove the module and gradient hooks (DeepSpeed's name); the parameters stay
         partitioned."""
         self.hooks.remove()
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks.clear()
+        self.reducer.remove_hooks()
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -585,7 +476,7 @@ class Stage3Optimizer(GradientCore):
             params=params,
             grads=grads,
             optimizer_state=optimizer_state,
-            buffers=working + self._bucket_bytes,
+            buffers=working + self.reducer.bucket_bytes,
             host=host,
         )
 
