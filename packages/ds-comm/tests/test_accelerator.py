@@ -244,7 +244,7 @@ def test_memory_figures_follow_the_process(cpu: CPU_Accelerator) -> None:
 
 def test_pinning_is_a_no_op_on_cpu(cpu: CPU_Accelerator) -> None:
     x = torch.arange(6.0)
-    assert cpu.pin_memory(x) is x and not cpu.is_pinned(x)
+    assert cpu.pin_memory(x) is x and not cpu.is_pinned(x) and not cpu.pins_host_memory()
     fresh = cpu.pin_memory(x.view(2, 3), make_copy=False)
     assert fresh.shape == (2, 3) and fresh.dtype == x.dtype and fresh.data_ptr() != x.data_ptr()
     flat = cpu.pin_memory(x.view(2, 3), make_copy=False, match_shape=False)

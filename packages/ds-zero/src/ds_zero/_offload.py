@@ -3,7 +3,7 @@
 [Note: ZeRO-Offload]
 With ``offload_optimizer.device`` cpu or nvme, each rank's fp32 master partition, its fp32
 gradient partition and the optimizer state live in host memory (page-locked with
-``pin_memory`` when CUDA is present), and the optimizer steps there: ds-optim's ``CPUAdam``
+``pin_memory`` when the accelerator copies from host memory), and the optimizer steps there: ds-optim's ``CPUAdam``
 (DeepSpeed's ``DeepSpeedCPUAdam``) is the fast choice, and any ``torch.optim`` optimizer works.
 Reduced gradient shards are copied device-to-host as they land; after the step the updated
 partition is copied back in the model's dtype (by ``CPUAdam`` itself when it accepts
@@ -23,15 +23,19 @@ from pathlib import Path
 
 import torch
 
+from ds_comm.accelerator import get_accelerator
 from ds_zero.api import ConfigError, TensorSwapper
 
 __all__ = ["StateSwap", "accepts_fp16_param_groups", "default_swapper", "host_zeros"]
 
 
 def host_zeros(numel: int, dtype: torch.dtype, *, pin_memory: bool) -> torch.Tensor:
-    """A zeroed host tensor, page-locked when asked and CUDA is present."""
-    pin = pin_memory and torch.cuda.is_available()
-    return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
+    """A zeroed host tensor, page-locked (through the accelerator) when asked and a device
+    copies from host memory."""
+    accelerator = get_accelerator()
+    if pin_memory and accelerator.pins_host_memory():
+        return accelerator.pin_empty(numel, dtype=dtype).zero_()
+    return torch.zeros(numel, dtype=dtype, device="cpu")
 
 
 def accepts_fp16_param_groups(optimizer: torch.optim.Optimizer) -> bool:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ds_comm.accelerator import get_accelerator
 from ds_zero.api import ConfigError, TensorSwapper
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class NvmeShardStore:
         self._buffer_bytes = min(max(1, int(buffer_size)) * 4, _MAX_STAGING_BYTES)
         self._buffer_count = buffer_count
         self.max_in_cpu = max_in_cpu
-        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.pin_memory = pin_memory and get_accelerator().pins_host_memory()
         self._shards: dict[int, _Shard] = {}
         # Resident shards, least recently used first. Parameters are held weakly (_Shard.owner):
         # one dropped by its model (e.g. replaced by tying) takes its host copy and file along.

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_zero._streams import SideStream
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def is_partitioned(p: torch.Tensor) -> bool:
 
 def _can_pin() -> bool:
     """Page-locked host memory needs a device runtime to register it with."""
-    return torch.cuda.is_available()
+    return get_accelerator().pins_host_memory()
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -318,6 +318,11 @@ class DeepSpeedAccelerator(abc.ABC):
         """Whether page-locking host memory means anything here (a device copies from it)."""
         return True
 
+    def pins_host_memory(self) -> bool:
+        """Whether ``pin_memory``/``pin_empty`` really page-lock (False on the CPU accelerator,
+        where no device copies from host memory): offload buffers ask before pinning."""
+        return self._pins_host_memory()
+
     def pin_memory(
         self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True
     ) -> torch.Tensor:
