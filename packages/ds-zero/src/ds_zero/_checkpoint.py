@@ -383,11 +383,12 @@ def scalar_state(optimizer: Any) -> dict[str, Any]:
     """What is the same on every rank: each param group's hyper-parameters and scalar optimizer
     state (``step``), the loss scaler's state and the step counters."""
     inner = getattr(optimizer, "optimizer", None)
+    states: Mapping[Any, Any] = inner.state if inner is not None else {}
     groups = []
     for group in optimizer.param_groups:
         scalars: dict[str, Any] = {}
-        for p in group["params"] if inner is not None else ():
-            for key, value in inner.state.get(p, {}).items():
+        for p in group["params"]:
+            for key, value in states.get(p, {}).items():
                 if not torch.is_tensor(value):
                     scalars.setdefault(key, value)
                 elif value.dim() == 0:
@@ -413,7 +414,9 @@ def restore_scalar_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
     inner = getattr(optimizer, "optimizer", None)
     for group, entry in zip(optimizer.param_groups, groups):
         group.update(entry["hyper"])
-        for p in group["params"] if inner is not None and entry["state"] else ():
+        if inner is None or not entry["state"]:
+            continue
+        for p in group["params"]:
             state = inner.state[p]
             for key, value in entry["state"].items():
                 state[key] = value.clone() if torch.is_tensor(value) else value
