@@ -181,7 +181,7 @@ def _rank_main(rank: int, world: int, port: int, job: dict) -> int:
     return 0
 
 
-def _fork_ranks(world: int, job: dict, *, grace: float = 3.0, timeout: float = 120) -> list[int]:
+def _fork_ranks(world: int, job: dict, *, grace: float = 3.0, timeout: float = 600) -> list[int]:
     """Run ``_rank_main`` on ``world`` forked ranks; once one is killed (exit 9) the others get
     ``grace`` seconds (they may be blocked in a collective with it) and are then killed too:
     that is a state a crash of several ranks reaches as well."""
@@ -240,7 +240,11 @@ def _two_rank_driver(stage: int, reuse: bool, root: str, points: Any) -> dict:
     if points is None:
         points = [(r, k) for r in range(2) for k in range(1, len(calls[r]) + 1)]
     elif points == "rename":  # rank 0's rename of .ckpt.partial onto ckpt
-        k = next(i for i, c in enumerate(calls[0], 1) if c.startswith("rename") and ".ckpt." in c)
+        k = next(
+            i
+            for i, c in enumerate(calls[0], 1)
+            if c.startswith("rename") and c.split()[1].endswith(".ckpt.partial")
+        )
         points = [(0, k)]
     outcomes: dict[str, int] = {}
     for rank, k in points:
