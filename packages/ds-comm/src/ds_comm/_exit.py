@@ -1,4 +1,5 @@
-"""At interpreter exit, lets torch's gloo worker threads finish with the GIL before finalization.
+"""At interpreter exit, stops ds-comm's hang watchdog thread and lets torch's gloo worker threads
+finish with the GIL, before finalization (which ends any thread that then asks for the GIL).
 
 [Note: gloo workers at interpreter exit]
 A gloo collective runs on one of its process group's C++ worker threads, which keeps the op's
@@ -15,7 +16,19 @@ issue 190489; torch's own exit hook, PR 179291, was abandoned). ``destroy_proces
 not cover it: the group object, and its worker threads, live on while anything (an optimizer, a
 model wrapper) still references it.
 
-So ds-comm registers an exit hook: when a collective began or ended less than ``EXIT_GRACE_S``
+[Note: the hang watchdog at interpreter exit]
+The same finalization rule killed a Python thread: ds-comm's hang watchdog (``_forensics``), a
+daemon thread that asks the c10d store for a trigger key once per poll period. The store call
+releases the GIL; when it returns during finalization, the thread's GIL request ends it with
+``pthread_exit`` inside pybind11's call wrapper, and the forced unwind through it aborts the
+process the same way. The window is widest on a rank whose store server (rank 0) has already
+exited: the client's call then waits on a dead connection while the main thread finalizes. A core
+of the intermittent abort at the end of the accelerate ZeRO-3 client test showed exactly that
+thread (``take_gil`` -> ``pthread_exit`` under ``c10d::Store::check``); a 2-rank script polling
+every 2 ms aborted in 1 of 3 runs. So ds-comm's exit hook stops the watchdog and joins its thread
+(``_forensics.disarm``) before finalization: no thread of ds-comm's is inside a store call then.
+
+So ds-comm also registers the workers' hook: when a collective began or ended less than ``EXIT_GRACE_S``
 ago (a call never waited has begun only), it sleeps out the rest of that time. The sleep releases the GIL, the
 waiting worker takes it, releases the tensor and goes idle, and finalization finds no worker
 waiting. An exit long after the last collective pays nothing.
@@ -42,4 +55,16 @@ def settle_workers(grace_s: float = EXIT_GRACE_S) -> float:
     return remaining
 
 
+def stop_watchdog() -> bool:
+    """Stops and joins the hang watchdog thread, if armed (see [Note: the hang watchdog at
+    interpreter exit]); returns whether one was running."""
+    from ds_comm import _forensics  # imported here: _forensics imports most of ds-comm
+
+    armed = _forensics._WATCHDOG is not None
+    _forensics.disarm()
+    return armed
+
+
+# Run in reverse order of registration: the watchdog stops first, then the workers settle.
 atexit.register(settle_workers)
+atexit.register(stop_watchdog)
