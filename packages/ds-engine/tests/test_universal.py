@@ -135,11 +135,15 @@ def test_ds_checkpoint_to_universal_and_back(tmp_path: Path, saved, loaded) -> N
     torch.testing.assert_close(resumed, continued, rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("case", ["zero2_w2"])
+@pytest.mark.parametrize("case", ["zero2_w2", "zero3_w2"])
 def test_deepspeed_universal_folder_continues_deepspeeds_losses(tmp_path: Path, case: str) -> None:
+    """zero2_w2: equal to the losses DeepSpeed computed resuming the folder itself and to the
+    uninterrupted run's; zero3_w2 (DeepSpeed's stage-3 output: flat state files, zero_pp_rank
+    model files; DeepSpeed 0.19.8 could not resume it here) to the uninterrupted run's."""
     expected = json.loads((FIXTURES / "expected.json").read_text())
     want = expected["cases"][case]
     shutil.copytree(FIXTURES / case, tmp_path / case)
     got = run_on_ranks(_resume, 1, 1, str(tmp_path / case), True, timeout=300)[0]
-    torch.testing.assert_close(got, want["resumed"], rtol=RTOL, atol=0)
+    if "resumed" in want:
+        torch.testing.assert_close(got, want["resumed"], rtol=RTOL, atol=0)
     torch.testing.assert_close(got, want["continued"], rtol=RTOL, atol=0)
