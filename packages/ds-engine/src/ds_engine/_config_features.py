@@ -158,7 +158,7 @@ def _merge(default: Mapping[str, Any], value: Any) -> dict[str, Any]:
                 continue
             inner = default.get(key)
             both = isinstance(inner, Mapping) and isinstance(given, Mapping)
-            merged[key] = _merge(inner, given) if both else given
+            merged[key] = _merge(inner, given) if both else given  # pyright: ignore[reportArgumentType]  (both: inner is a Mapping)
     return merged
 
 

@@ -384,9 +384,10 @@ class DeepSpeedConfig(Mapping[str, Any]):
                 )
         if "aio" in values:
             values["aio"] = _aio_section(values["aio"])
-        train, micro, gas = complete_triad(
-            *(batch_key(k, values.pop(k, None)) for k in _BATCH_KEYS), dp_world_size
+        given_train, given_micro, given_gas = (
+            batch_key(k, values.pop(k, None)) for k in _BATCH_KEYS
         )
+        train, micro, gas = complete_triad(given_train, given_micro, given_gas, dp_world_size)
         return cls(
             train_batch_size=train,
             train_micro_batch_size_per_gpu=micro,

@@ -474,6 +474,7 @@ class _Job:
                 (proc.stdout, self.out, False),
                 (proc.stderr, self.err, True),
             ):
+                assert pipe is not None  # the child was started with stdout/stderr=PIPE
                 stream = _Stream(child, pipe, write)
                 stream.is_stderr = is_err
                 child.streams.append(stream)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -136,8 +136,9 @@ class IoHandleBase:
             except BaseException as exc:
                 errors.append(exc)
         if errors:
-            if len(errors) > 1 and hasattr(errors[0], "add_note"):
-                errors[0].add_note(f"{len(errors) - 1} more of the {len(ops)} ops failed too")
+            first: Any = errors[0]  # add_note: Python 3.11+
+            if len(errors) > 1 and hasattr(first, "add_note"):
+                first.add_note(f"{len(errors) - 1} more of the {len(ops)} ops failed too")
             raise errors[0]
         return len(ops)
 

@@ -137,7 +137,7 @@ def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
     [Note: checkpoint integrity]). Empty for files that are not a weights-only zip archive."""
     try:
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        reader = torch._C.PyTorchFileReader(str(path))
+        reader: Any = torch._C.PyTorchFileReader(str(path))  # get_record_offset: not in stubs
         offsets = [
             reader.get_record_offset(r) for r in reader.get_all_records() if "data/" in r[:8]
         ]
