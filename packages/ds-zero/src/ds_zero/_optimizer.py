@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -616,7 +616,7 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def _elementwise(value: Any) -> bool:
+def _elementwise(value: Any) -> TypeGuard[torch.Tensor]:
     return torch.is_tensor(value) and value.dim() > 0
 
 

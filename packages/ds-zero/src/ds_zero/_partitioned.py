@@ -40,6 +40,10 @@ its saved views share) does not move. Any other release (``GatheredParameters``,
 whole value handed out earlier stays valid for as long as its holder keeps it.
 """
 
+# DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
+# torch Parameters at run time, which the type checker cannot see.
+# pyright: reportAttributeAccessIssue=false
+
 from __future__ import annotations
 
 import contextlib

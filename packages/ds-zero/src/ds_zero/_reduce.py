@@ -142,7 +142,9 @@ class GradReducer:
         self.ctx = ctx
         self.contexts = list(group_contexts) if group_contexts else [ctx] * len(self.groups)
         self.units = sorted((u for g in self.groups for u in g.units), key=lambda u: u.order)
-        self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._where: dict[torch.Tensor, tuple[FlatUnit, int]] = {
+            p: (u, i) for u in self.units for i, p in enumerate(u.params)
+        }
         ref = self.groups[0].flat
         self.dtype, self.device = ref.dtype, ref.device
         world = ctx.world_size
@@ -387,7 +389,7 @@ class GradReducer:
         """Issue the unit's collective on ``send`` (``buffer``, or its copy in the communication
         dtype); return its work and the steps that scale and land its result."""
         ctx, cfg = self.contexts[unit.group], self.config
-        async_op = cfg.overlap_comm
+        async_op = bool(cfg.overlap_comm)  # None (unset) is synchronous, as False
         if not cfg.shard_optimizer_state:  # stage 0: the average, in place
             work = self._all_reduce(send, async_op, ctx)
             back = None if send is buffer else (lambda: buffer.copy_(send))
@@ -419,7 +421,7 @@ class GradReducer:
             return None
         return ds_comm.all_reduce(buffer, group=ctx.group, async_op=async_op)
 
-    def _landing(self, unit: FlatUnit, shard: torch.Tensor) -> Callable[[], None] | None:
+    def _landing(self, unit: FlatUnit, shard: torch.Tensor) -> Callable[[], object] | None:
         """Where a reduced shard goes: ``part`` (accumulating) or the own slice of ``full``."""
         part = self.part[unit.group]
         if part is None:  # stage 1 without offload

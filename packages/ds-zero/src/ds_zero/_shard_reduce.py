@@ -15,6 +15,10 @@ at the first gradient after a step and freed by :meth:`ShardGradReducer.zero` (a
 parameters in a backward (the reduce-scatters are issued in the order gradients complete).
 """
 
+# DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
+# torch Parameters at run time, which the type checker cannot see.
+# pyright: reportAttributeAccessIssue=false
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence

@@ -65,6 +65,10 @@ collectives. The flag is read at each forward, so it may be set before or after 
 is built.
 """
 
+# DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
+# torch Parameters at run time, which the type checker cannot see.
+# pyright: reportAttributeAccessIssue=false
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -275,6 +279,7 @@ class Stage3Hooks:
             for child in module.children():
                 params += list(child.parameters(recurse=False))
         elif own:
+            assert self._borrowed is not None  # the branch above took the None case
             params += self._borrowed.get(id(module), [])
         seen: set[int] = set()
         out = []

@@ -25,6 +25,10 @@ Every rank must use the same parameters in a backward (the reduce-scatters are i
 order gradients complete); a parameter no rank used gets no reduction (its gradient is zero).
 """
 
+# DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
+# torch Parameters at run time, which the type checker cannot see.
+# pyright: reportAttributeAccessIssue=false
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence

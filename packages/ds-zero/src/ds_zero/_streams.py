@@ -126,7 +126,7 @@ class CollectiveQueue:
             return buffer
         return buffer.to(self.comm_dtype)
 
-    def scale(self, reduced: torch.Tensor) -> Callable[[], None] | None:
+    def scale(self, reduced: torch.Tensor) -> Callable[[], object] | None:
         """The post-division of a reduced sum (None when there is none)."""
         if self.postscale == 1.0:
             return None
