@@ -132,7 +132,9 @@ class CPUAdam(mt.FP32StateOptimizer):
                 f"CPUAdam: params must be in CPU memory, got one on {param.device}; with ZeRO, "
                 'enable "offload_optimizer": {"device": "cpu"}, else use FusedAdam'
             )
-        if param.grad.is_sparse:
+        grad = param.grad
+        assert grad is not None  # step() skips parameters without one
+        if grad.is_sparse:
             raise RuntimeError("CPUAdam does not support sparse gradients")
         state = self.state[param]
         if not state:
@@ -141,7 +143,7 @@ class CPUAdam(mt.FP32StateOptimizer):
         fused = _fusable_copy(param, target)
         ds_native.adam_step(
             param,
-            param.grad,
+            grad,
             state["exp_avg"],
             state["exp_avg_sq"],
             step=step,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -467,6 +467,7 @@ class PipelineEngine:
 
     def _exec_backward(self, cmd: BackwardPass) -> None:
         state, key = self._state, (cmd.micro_batch_id, cmd.chunk_id)
+        assert self.grad_step is not None  # train_batch() checked it
         outputs = state.outputs.pop(key)
         if cmd.chunk_id == self._last_chunk:
             state.losses[cmd.micro_batch_id] = outputs.detach().reshape(())
@@ -522,10 +523,12 @@ class PipelineEngine:
         self.module.allreduce_tied_weight_gradients()
 
     def _exec_reduce_grads(self, cmd: ReduceGrads) -> None:
+        assert self.grad_step is not None  # train_batch() checked it
         self.grad_step.reduce_gradients()
 
     def _exec_optimizer_step(self, cmd: OptimizerStep) -> None:
         step = self.grad_step
+        assert step is not None  # train_batch() checked it
         step.set_gradient_accumulation_boundary(True)
         try:
             result = step.step()
@@ -554,5 +557,7 @@ class PipelineEngine:
         scalar = mean is not None and mean.numel() == 1
         # every rank must agree on whether to broadcast: only scalar losses are
         if self.module.loss_fn is not None and self._state.compute_loss:
-            return self._all_mean(mean.reshape(()) if scalar else torch.zeros(()), scalar)
+            return self._all_mean(
+                cast(torch.Tensor, mean).reshape(()) if scalar else torch.zeros(()), scalar
+            )
         return mean

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -160,7 +160,7 @@ class DataParallelStep:
             if p.grad is None:  # every replica must reduce the same tensors
                 p.grad = torch.zeros_like(p)
         if self.dp_world_size > 1:
-            self._reduce([p.grad for p in self.params])
+            self._reduce(cast(list[torch.Tensor], [p.grad for p in self.params]))  # all set above
 
     def step(self) -> StepResult:
         self.last_result = self._step()
@@ -171,7 +171,10 @@ class DataParallelStep:
             return StepResult.not_due(self.loss_scale)
         grads = [p.grad for p in self.params if p.grad is not None]
         scale = self.loss_scale
-        counted = [p.grad for p in self.params if id(p) not in self._excluded]
+        # the schedule's ReduceGrads (reduce_gradients) gave every parameter a gradient
+        counted = cast(
+            list[torch.Tensor], [p.grad for p in self.params if id(p) not in self._excluded]
+        )
         norm = self._global_norm(counted) / scale
         if not math.isfinite(norm):  # every rank sees the same norm: every rank skips
             if self.loss_scaler is not None:
