@@ -3,7 +3,7 @@ optimizer, the LR schedule and the gradient-step core (ds-zero's) around the opt
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -32,7 +32,7 @@ def build_client_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
-        return optimizer(params)
+        return cast(torch.optim.Optimizer, optimizer(params))  # the client's factory
     if section is None:
         return None
     offload = config.zero_optimization.offload_optimizer.enabled

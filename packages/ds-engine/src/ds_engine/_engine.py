@@ -324,6 +324,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
             if loss is not None:
                 events.insert(0, ("Train/Samples/train_loss", loss, self.global_samples))
             if self.loss_scaler is not None:
+                assert self.optimizer is not None  # _report runs after step() stepped it
                 scale = self.optimizer.loss_scale
                 events.append(("Train/Samples/loss_scale", scale, self.global_samples))
             self.monitor.write_events(events)

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,6 +49,7 @@ class EngineSurface:
     dp_world_size: int
     global_rank: int
     timers: Any
+    monitor: Any
 
     # --- ranks and groups ----------------------------------------------------------------------
 
@@ -210,7 +211,9 @@ class EngineSurface:
     ) -> dict[str, Any]:
         """The module's ``state_dict`` (as DeepSpeed: ZeRO-3 partitioned parameters appear as
         their local placeholders; see :meth:`_zero3_consolidated_16bit_state_dict`)."""
-        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        state = self.module.state_dict(
+            destination=cast(Any, destination), prefix=prefix, keep_vars=keep_vars
+        )
         if exclude_frozen_parameters:
             for name, p in self.module.named_parameters():
                 if not p.requires_grad:
@@ -263,7 +266,7 @@ class EngineSurface:
         Raises:
             ValueError: the engine is not at ZeRO stage 3 (DeepSpeed's error).
         """
-        if not self.zero_optimization_partition_weights():
+        if not self.zero_optimization_partition_weights():  # type: ignore[attr-defined]
             raise ValueError(
                 "_zero3_consolidated_16bit_state_dict requires ZeRO-3 "
                 f"(zero_optimization.stage = {self._config.zero_optimization.stage}); use "

@@ -111,7 +111,7 @@ class CometSink:
     ``samples_log_interval`` samples have passed since that tag was last logged."""
 
     def __init__(self, section: Any) -> None:
-        import comet_ml
+        import comet_ml  # pyright: ignore[reportMissingImports]  (optional; only with comet on)
 
         self.experiment = comet_ml.start(
             api_key=section.api_key,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast, overload
 
 import torch
 
@@ -56,7 +56,7 @@ from ds_engine._placement import (
 from ds_engine._progress import Timers
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import GradientStep, build_loss_scaler
-from ds_pipe import PipelineEngine
+from ds_pipe import PipelineEngine, PipelineModule
 from ds_zero import save_fsynced
 
 __all__ = ["PipelineDeepSpeedEngine", "check_pipeline_config"]
@@ -403,6 +403,10 @@ class PipelineDeepSpeedEngine(EngineSurface):
         if self.global_rank == 0 and self.global_steps % self._config.steps_per_print == 0:
             print(*msg, flush=True)
 
+    @overload
+    def _prepare(self, data_iter: Iterator[Any]) -> Iterator[Any]: ...
+    @overload
+    def _prepare(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None: ...
     def _prepare(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
         """Micro-batches through ``batch_fn`` (read when each is loaded) and, with fp16/bf16,
         floating-point inputs cast to the parameters' dtype (labels as given), as DeepSpeed's
@@ -472,7 +476,7 @@ class PipelineDeepSpeedEngine(EngineSurface):
         """Load this stage's layers from ``checkpoint["module"]`` (fp32 masters refreshed)."""
         super().load_module_state_dict(checkpoint, *args, **kwargs)
         if self.zero is not None and hasattr(self.zero, "refresh_fp32_params"):
-            self.zero.refresh_fp32_params()
+            cast(Any, self.zero).refresh_fp32_params()  # not in GradientStep: checked above
 
     def zero_grad(self) -> None:
         """Drop every gradient of this stage's parameters (and the ZeRO-1 accumulation)."""
@@ -525,7 +529,7 @@ class PipelineDeepSpeedEngine(EngineSurface):
         with tag_directory(
             save_dir, tag, rank=self.global_rank, save_latest=save_latest
         ) as partial:
-            self.module.save_state_dict(partial)
+            cast(PipelineModule, self.module).save_state_dict(partial)
             save_fsynced(self._rank_state(client_state), partial / self._state_file())
         return True
 
@@ -564,9 +568,9 @@ class PipelineDeepSpeedEngine(EngineSurface):
         path = resolve_checkpoint(load_dir, tag)
         if path is None:
             return None, None
-        self.module.load_state_dir(path, strict=load_module_strict)
+        cast(PipelineModule, self.module).load_state_dir(path, strict=load_module_strict)
         if self.zero is not None and hasattr(self.zero, "refresh_fp32_params"):
-            self.zero.refresh_fp32_params()
+            cast(Any, self.zero).refresh_fp32_params()  # not in GradientStep: checked above
         if load_module_only:
             return str(path), {}
         state_file = path / self._state_file()

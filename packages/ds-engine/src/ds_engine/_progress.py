@@ -128,7 +128,9 @@ class Progress:
     """Rank 0's progress: a tqdm bar when stderr is a terminal, a log line every
     ``steps_per_print`` optimizer steps always (non-interactive logs)."""
 
-    def __init__(self, *, rank: int, steps_per_print: int, interactive: bool | None = None) -> None:
+    def __init__(
+        self, *, rank: int, steps_per_print: float, interactive: bool | None = None
+    ) -> None:
         self.active = rank == 0
         self.steps_per_print = steps_per_print
         self._bar: Any = None

@@ -129,14 +129,14 @@ class _DeepSpeedPickler(pickle._Pickler):  # type: ignore[name-defined]
     def save_global(self, obj: Any, name: str | None = None) -> None:
         target = _GLOBALS.get(obj) if isinstance(obj, type) else None
         if target is None:
-            super().save_global(obj, name)
+            super().save_global(obj, name)  # pyright: ignore[reportAttributeAccessIssue]  (untyped pure-Python _Pickler)
             return
         module, _, qualname = target.rpartition(".")
-        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
-        self.memoize(obj)
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())  # pyright: ignore[reportAttributeAccessIssue]
+        self.memoize(obj)  # pyright: ignore[reportAttributeAccessIssue]  (as above)
 
     dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[type] = save_global
+    dispatch[type] = save_global  # pyright: ignore[reportArgumentType]  (typeshed types the table loosely)
 
 
 _PICKLE_MODULE = types.SimpleNamespace(

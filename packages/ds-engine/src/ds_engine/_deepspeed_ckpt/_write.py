@@ -14,7 +14,7 @@ import math
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ _ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor (stages 1-2)
 
 
 def _gather_pieces(engine: DeepSpeedEngine) -> list[tuple[str, tuple, int, int, dict]]:
+    optimizer = _zero_optimizer(engine)
     mine = [
         (
             s.name,
@@ -49,7 +50,7 @@ def _gather_pieces(engine: DeepSpeedEngine) -> list[tuple[str, tuple, int, int, 
             s.stop,
             {k: v.detach().float().cpu() for k, v in s.values.items()},
         )
-        for s in engine.optimizer.checkpoint_shards()
+        for s in optimizer.checkpoint_shards()
         if s.stop > s.start
     ]
     if not (dist.is_available() and dist.is_initialized()) or engine.dp_world_size == 1:
@@ -84,8 +85,13 @@ def _module_weights(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return state
 
 
+def _zero_optimizer(engine: DeepSpeedEngine) -> ZeroOptimizer | Stage3Optimizer:
+    """The engine's optimizer, typed as the ZeRO one save_deepspeed_checkpoint checked."""
+    return cast("ZeroOptimizer | Stage3Optimizer", engine.optimizer)
+
+
 def _scalars(engine: DeepSpeedEngine) -> tuple[Any, list[dict[str, Any]]]:
-    optimizer = engine.optimizer
+    optimizer = _zero_optimizer(engine)
     inner = getattr(optimizer, "optimizer", optimizer)
     step = None
     for value in inner.state.values():

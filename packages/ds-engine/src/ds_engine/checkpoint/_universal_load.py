@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -143,7 +143,8 @@ def _as_step(step: Any, old: Any, inner: Any) -> Any:
 
 
 def _restore_scalars(engine: DeepSpeedEngine, folder: Path, optim: Mapping[str, Any]) -> None:
-    optimizer = engine.optimizer
+    # load_universal_checkpoint calls this for ds's ZeRO optimizers only.
+    optimizer = cast("ZeroOptimizer | Stage3Optimizer", engine.optimizer)
     saved_groups = optim.get("param_groups") or []
     if saved_groups and len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(
@@ -157,6 +158,7 @@ def _restore_scalars(engine: DeepSpeedEngine, folder: Path, optim: Mapping[str, 
             if key in group and key != "params":
                 group[key] = value
         for p in group["params"] if step is not None and inner is not None else ():
+            assert inner is not None  # the loop runs only when it is set
             slot = inner.state.setdefault(p, {})
             slot["step"] = _as_step(step, slot.get("step"), inner)
     scaler = optim.get("loss_scaler")

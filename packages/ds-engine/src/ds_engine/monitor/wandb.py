@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ds_engine._monitor import WandbSink
 from ds_engine.monitor.monitor import Monitor
@@ -26,4 +26,4 @@ class WandbMonitor(Monitor):
     ) -> None:
         """``wandb.log`` on rank 0 of an enabled monitor."""
         if self.sink is not None:
-            self.sink.log(data, step=step, commit=commit)
+            cast(WandbSink, self.sink).log(data, step=step, commit=commit)  # the sink it made
