@@ -31,7 +31,7 @@ def load_mpi() -> Any | None:
     if importlib.util.find_spec("mpi4py") is None:
         return None
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # pyright: ignore[reportMissingImports]  (optional extra)
     except (ImportError, RuntimeError, OSError):
         return None
     return MPI

@@ -87,7 +87,7 @@ class WandbSink:
     """``wandb``: one ``wandb.init(project=, group=, entity=team)`` run, ``wandb.log`` per event."""
 
     def __init__(self, project: str, group: str | None, team: str | None) -> None:
-        import wandb
+        import wandb  # pyright: ignore[reportMissingImports]  (optional extra)
 
         self._wandb = wandb
         self.run = wandb.init(project=project, group=group, entity=team)

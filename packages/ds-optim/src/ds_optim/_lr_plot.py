@@ -103,8 +103,8 @@ def plot_lr_range_test(
     """
     points = _checked(lrs, losses, smooth)
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # pyright: ignore[reportMissingImports]  (optional extra)
+        from matplotlib.figure import Figure  # pyright: ignore[reportMissingImports]  (optional extra)
     except ImportError as exc:
         raise ImportError(
             "plot_lr_range_test needs matplotlib: pip install ds-optim[plot]"

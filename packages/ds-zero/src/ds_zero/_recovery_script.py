@@ -182,7 +182,7 @@ def save_state_dict(state, output_dir, max_shard_size="5GB", safe_serialization=
     for file, keys in zip(names, plan):
         part = {k: state[k] for k in keys}
         if safe_serialization:
-            from safetensors.torch import save_file
+            from safetensors.torch import save_file  # pyright: ignore[reportMissingImports]  (optional extra)
 
             first = {}
             for k, v in part.items():  # safetensors stores shared tensors once
