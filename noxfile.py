@@ -82,11 +82,22 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check + format check on the whole tree, and the import layering contracts."""
+    """ruff check + format check on the whole tree, the import layering contracts, pyright."""
     _sync(session, "--all-packages", "--group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
+    # pyright (basic; [tool.pyright] in pyproject.toml) in this venv, where the workspace is
+    # installed, so it resolves every import the sources make.
+    session.run_install(
+        "uv",
+        "pip",
+        "install",
+        "pyright[nodejs]==1.1.414",
+        external=True,
+        env={"VIRTUAL_ENV": session.virtualenv.location},
+    )
+    session.run("pyright")
     session.run("python", "tools/ci/check_module_size.py")  # no module over 800 lines
     # Changelog entry for every source change since a member's last version bump; no public-API
     # breakage within a version series (README: Release).
