@@ -12,7 +12,11 @@ import torch
 
 import ds_kernels
 
-pytestmark = pytest.mark.gpu
+# ds-kernels' tests run without ds-testing's plugin, so the skip is explicit here.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 
