@@ -103,7 +103,8 @@ def _layout_body(rank: int, world_size: int, *, path: str) -> list[str]:
 def test_deepspeed_layout_and_latest_file(world_size: int, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     listing = run_on_ranks(_layout_body, world_size, path=str(root), timeout=300)[0]
-    assert listing == ["global_step2", "latest", "mine"]
+    # zero_to_fp32.py: the standalone recovery script beside latest, as DeepSpeed writes it
+    assert listing == ["global_step2", "latest", "mine", "zero_to_fp32.py"]
     assert (root / "latest").read_text() == "global_step2"
     files = sorted(os.listdir(root / "global_step2"))
     ranks = [f"rng_state_rank{r:05d}.pt" for r in range(world_size)]
