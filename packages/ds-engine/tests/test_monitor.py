@@ -109,15 +109,17 @@ def test_monitor_sections_are_typed_with_deepspeeds_defaults() -> None:
         DeepSpeedConfig.from_dict(config(comet={"samples_log_interval": 0}))
 
 
-def test_a_missing_backend_package_names_the_section_and_the_pip_command() -> None:
+def test_a_missing_backend_package_names_the_section_and_the_pip_command(tmp_path: Path) -> None:
     from ds_engine._monitor import build_monitor
 
-    cfg = DeepSpeedConfig.from_dict(config(comet={"enabled": True}))
     if importlib.util.find_spec("comet_ml") is not None:
         pytest.skip("comet_ml is installed here")
+    tensorboard = {"enabled": True, "output_path": str(tmp_path), "job_name": "tb"}
+    cfg = DeepSpeedConfig.from_dict(config(tensorboard=tensorboard, comet={"enabled": True}))
     for rank in (0, 1):  # every rank refuses, so none waits for the others
         with pytest.raises(ConfigError, match=r"comet\.enabled = true needs the 'comet_ml'.*pip"):
             build_monitor(cfg, rank=rank)
+    assert not (tmp_path / "tb").exists()  # refused before any sink was made
 
 
 def test_deepspeeds_monitor_classes_write_through_the_same_sinks(tmp_path: Path) -> None:

@@ -200,15 +200,15 @@ def build_monitor(config: Any, *, rank: int) -> Monitor:
         "csv_monitor": lambda s: CsvSink(s.output_path, s.job_name),
         "comet": CometSink,
     }
-    sinks: list[EventSink] = []
-    for name, make in makers.items():
-        section = getattr(config, name, None)
-        if section is None or not section.enabled:
-            continue
-        module = MODULE_OF_SECTION.get(name)
-        if module is not None:
-            require_package(module)
-        sinks.append(make(section) if rank == 0 else _Remote())
+    enabled = {
+        name: section
+        for name in makers
+        if (section := getattr(config, name, None)) is not None and section.enabled
+    }
+    for name in enabled:  # every package first: a refusal leaves no half-made sink behind
+        if name in MODULE_OF_SECTION:
+            require_package(MODULE_OF_SECTION[name])
+    sinks = [makers[name](s) if rank == 0 else _Remote() for name, s in enabled.items()]
     return Monitor(sinks, rank=rank)
 
 
