@@ -415,22 +415,32 @@ def _unusable(path: Path, problems: Sequence[str]) -> str:
     return f"checkpoint {str(path)!r} cannot be loaded:\n  " + "\n  ".join(shown) + more
 
 
-def read_directory_manifest(directory: Path) -> dict[str, Any]:
-    """The sealed ``ds_manifest.json`` of ``directory`` (a :class:`CheckpointError` naming what
-    is wrong otherwise)."""
-    path = directory / DIRECTORY_MANIFEST
+def read_sealed_manifest(
+    path: Path, expected_format: str, reader: str, missing: str
+) -> dict[str, Any]:
+    """A sealed manifest file: ``missing`` as the error when absent, then its format (``reader``
+    names what reads it) and its seal checked (a :class:`CheckpointError` otherwise)."""
     if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {str(directory)!r} has no {DIRECTORY_MANIFEST}: the save did not finish, "
-            "or an older ds wrote it; nothing in it can be verified, so it is not loaded"
-        )
+        raise CheckpointError(missing)
     manifest = read_json(path, "checkpoint manifest")
-    if manifest.get("format") != DIRECTORY_FORMAT:
+    if manifest.get("format") != expected_format:
         raise CheckpointError(
-            f"{path} has format {manifest.get('format')!r}; this ds reads {DIRECTORY_FORMAT!r}"
+            f"{path} has format {manifest.get('format')!r}; {reader} reads {expected_format!r}"
         )
     check_seal(manifest, path)
     return manifest
+
+
+def read_directory_manifest(directory: Path) -> dict[str, Any]:
+    """The sealed ``ds_manifest.json`` of ``directory`` (a :class:`CheckpointError` naming what
+    is wrong otherwise)."""
+    return read_sealed_manifest(
+        directory / DIRECTORY_MANIFEST,
+        DIRECTORY_FORMAT,
+        "this ds",
+        f"checkpoint {str(directory)!r} has no {DIRECTORY_MANIFEST}: the save did not finish, "
+        "or an older ds wrote it; nothing in it can be verified, so it is not loaded",
+    )
 
 
 def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:

@@ -38,10 +38,9 @@ import torch
 from ds_zero._integrity import (
     CheckpointError,
     ChunkedCrcWriter,
-    check_seal,
     file_problem,
     load_file,
-    read_json,
+    read_sealed_manifest,
     seal,
     write_json_atomic,
 )
@@ -145,19 +144,13 @@ def build_manifest(
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of ``directory``, or a :class:`CheckpointError` saying what is there."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(
-            f"{str(directory)!r} has no {MANIFEST}: not a ds-zero checkpoint, or a save that did "
-            "not finish"
-        )
-    manifest = read_json(path, "checkpoint manifest")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} has format {manifest.get('format')!r}; this ds-zero reads {FORMAT!r}"
-        )
-    check_seal(manifest, path)
-    return manifest
+    return read_sealed_manifest(
+        directory / MANIFEST,
+        FORMAT,
+        "this ds-zero",
+        f"{str(directory)!r} has no {MANIFEST}: not a ds-zero checkpoint, or a save that did "
+        "not finish",
+    )
 
 
 # --- verifying -----------------------------------------------------------------------------------
