@@ -7,6 +7,7 @@ losses with the ones DeepSpeed recorded in ``expected.json``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,33 +18,26 @@ import torch
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_0.19.8"
 DSREF_PYTHON = Path("/tmp/dsref/bin/python")
 GENERATOR = Path(__file__).parents[3] / "tools" / "compat" / "make_deepspeed_checkpoints.py"
-IN, HIDDEN, MID, OUT, GLOBAL_BATCH = 8, 15, 16, 4, 8
+# The model, data and sizes the fixtures were made with: the generating script's own, so the two
+# cannot drift (it imports only torch at module level).
+_MAKER = Path(__file__).resolve().parents[3] / "tools" / "compat" / "make_deepspeed_checkpoints.py"
+_spec = importlib.util.spec_from_file_location("make_deepspeed_checkpoints", _MAKER)
+assert _spec is not None and _spec.loader is not None, _MAKER
+_maker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_maker)
+Net, batch = _maker.Net, _maker.batch
+IN, HIDDEN, MID, OUT, GLOBAL_BATCH = (
+    _maker.IN,
+    _maker.HIDDEN,
+    _maker.MID,
+    _maker.OUT,
+    _maker.GLOBAL_BATCH,
+)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def expected() -> dict[str, Any]:
     return json.loads((FIXTURES / "expected.json").read_text())
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(IN, HIDDEN)
-        self.fc2 = torch.nn.Linear(HIDDEN, MID)
-        self.fc3 = torch.nn.Linear(MID, OUT)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(x))
-        h = torch.tanh(self.fc2(h))
-        return ((self.fc3(h).float() - y.float()) ** 2).mean()
-
-
-def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1234 + step)
-    x = torch.randn(GLOBAL_BATCH, IN, generator=g)
-    y = torch.randn(GLOBAL_BATCH, OUT, generator=g)
-    per = GLOBAL_BATCH // world
-    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def config_for(case: dict[str, Any], world: int, stage: int | None = None) -> dict[str, Any]:
