@@ -39,6 +39,7 @@ GLOBAL_BATCH = 8
 IN, HIDDEN, MID, OUT = 8, 15, 16, 4
 DTYPES = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)
+MOE_STAGES = (0, 2)
 
 
 class Net(torch.nn.Module):
@@ -230,13 +231,21 @@ class MoENet(torch.nn.Module):
         return ((self.fc3(torch.tanh(h)).float() - y.float()) ** 2).mean()
 
 
-def run_moe_case(out: Path, rank: int, world: int) -> dict:
+def moe_case_name(stage: int, world: int) -> str:
+    """``moe_w2`` at stage 0 (its first name), ``moe_zero<S>_w2`` at ZeRO stage S."""
+    return f"moe_w{world}" if stage == 0 else f"moe_zero{stage}_w{world}"
+
+
+def run_moe_case(out: Path, rank: int, world: int, stage: int = 0) -> dict:
+    """Expert-parallel size ``world`` (one expert per rank on 2 ranks): the expert weights in
+    ``layer_0_expert_<E>_...`` files, their optimizer state in ``expp_rank_<r>_...`` files
+    (stage 0) or in the ZeRO files of each rank (stages 1-2)."""
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    name = f"moe_w{world}"
+    name = moe_case_name(stage, world)
     save_dir = out / name
-    cfg = config(0, "fp32", world)
+    cfg = config(stage, "fp32", world)
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -250,6 +259,7 @@ def run_moe_case(out: Path, rank: int, world: int) -> dict:
     engine = build(0)
     trained = _steps(engine, 0, TRAIN_STEPS, rank, world, "fp32")
     engine.save_checkpoint(str(save_dir), tag="step3", client_state=CLIENT_STATE)
+    continued = _steps(engine, TRAIN_STEPS, RESUME_STEPS, rank, world, "fp32")
     torch.distributed.barrier()
     engine2 = build(99)
     _, client = engine2.load_checkpoint(str(save_dir), tag=None)
@@ -257,7 +267,8 @@ def run_moe_case(out: Path, rank: int, world: int) -> dict:
     return {
         "case": name,
         "kind": "moe",
-        "stage": 0,
+        "stage": stage,
+        "continued_losses": continued,
         "dtype": "fp32",
         "world_size": world,
         "config": cfg,
@@ -282,10 +293,15 @@ def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue)
 
     deepspeed.init_distributed(dist_backend="gloo")
     root = Path(out)
-    cases = [("zero", s, d) for s in STAGES for d in DTYPES] + [("pipe", 1, ""), ("moe", 0, "")]
+    cases = [("zero", s, d) for s in STAGES for d in DTYPES] + [("pipe", 1, "")]
+    cases += [("moe", s, "") for s in MOE_STAGES]
     results = []
     for kind, stage, dtype in cases:
-        label = f"{kind}{stage}_{dtype}_w{world}" if kind == "zero" else f"{kind}_w{world}"
+        label = {
+            "zero": f"zero{stage}_{dtype}_w{world}",
+            "pipe": f"pipe_w{world}",
+            "moe": moe_case_name(stage, world),
+        }[kind]
         if only and only not in label:
             continue
         try:
@@ -294,7 +310,7 @@ def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue)
             elif kind == "pipe":
                 results.append(run_pipe_case(root, rank, world))
             else:
-                results.append(run_moe_case(root, rank, world))
+                results.append(run_moe_case(root, rank, world, stage))
         except Exception as exc:  # recorded: a case DeepSpeed refuses on CPU
             traceback.print_exc()
             results.append({"case": label, "error": f"{type(exc).__name__}: {exc}"[:500]})

@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["zero_checkpoint_shards", "zero_load_checkpoint_shards"]
 
 
-def _check_supported(zero: ZeroOptimizer) -> None:
-    if zero.own_groups:
+def _check_supported(zero: ZeroOptimizer, lookup: ShardLookup | None = None) -> None:
+    """Param groups with their own process groups (MoE experts) hold different values under
+    the same names on different ranks: only a lookup that resolves each rank's own names
+    (``lookup.per_rank_names``, e.g. by global expert id) can fill them."""
+    if zero.own_groups and not getattr(lookup, "per_rank_names", False):
         raise CheckpointError(
             "param groups with their own process groups (MoE experts) hold different values "
             "under the same names on different ranks; they are saved in the per-rank format"
@@ -59,7 +62,7 @@ def _held_ranges(
     """``(name, param, start, stop, position in the master partition)`` of every parameter range
     this rank holds in ``group`` (see [Note: tensor shards of the flat layout])."""
     names = iter(group.names)
-    rank = zero.shard_rank
+    rank = zero._shard_rank(group)  # the group's own process group's rank (MoE experts)
     for unit in group.units:
         low, high = rank * unit.shard_numel, (rank + 1) * unit.shard_numel
         for p, offset in zip(unit.params, unit.offsets):
@@ -118,7 +121,7 @@ def zero_load_checkpoint_shards(zero: ZeroOptimizer, lookup: ShardLookup) -> Non
     the model's weights) and the elementwise optimizer state from ``lookup``, then write the
     masters into the model's parameters. Scalar state (``step``, hyper-parameters) is the
     caller's: it is not in the lookup."""
-    _check_supported(zero)
+    _check_supported(zero, lookup)
     from_checkpoint = zero.config.load_from_fp32_weights
     states: list[dict[str, torch.Tensor]] = []
     with torch.no_grad():

@@ -3,12 +3,13 @@
 The checkpoint is read whole (see [Note: DeepSpeed's checkpoint layout]); the module gets its
 weights, and the ZeRO optimizer its fp32 masters and moments through
 ``load_checkpoint_shards`` (a lookup of any element range by parameter name, the same entry
-ds's own reshardable checkpoints use), then the scalars: ``step`` and each param group's
+ds's own reshardable checkpoints use; MoE experts by global id), then the scalars: ``step`` and each param group's
 hyper-parameters, the loss scaler, the LR schedule and the engine's counters.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import torch
 
 from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError
 from ds_engine._deepspeed_ckpt._read import DeepSpeedState, read_checkpoint
+from ds_engine._deepspeed_ckpt._read_moe import EXPERT_PARAM
 from ds_engine._moe import load_module_state
 from ds_zero import CheckpointError, GatheredParameters, Stage3Optimizer, ZeroOptimizer
 
@@ -66,18 +68,53 @@ def _load_module(engine: DeepSpeedEngine, state: DeepSpeedState, strict: bool) -
                 target.data.copy_(value)
 
 
-def _lookup(state: DeepSpeedState) -> Callable[[str, int, int], Mapping[str, torch.Tensor]]:
-    def lookup(name: str, start: int, stop: int) -> Mapping[str, torch.Tensor]:
-        if name not in state.fp32:
+class _Lookup:
+    """ds-zero's shard lookup over a read checkpoint. This rank's local expert names are
+    asked for under their global ids (``per_rank_names``: ranks holding different experts
+    under the same local names may load, see [Note: DeepSpeed's MoE optimizer files])."""
+
+    per_rank_names = True
+
+    def __init__(self, state: DeepSpeedState, module: torch.nn.Module) -> None:
+        self.state = state
+        self.global_names = global_expert_names(module) if state.experts else {}
+
+    def __call__(self, name: str, start: int, stop: int) -> Mapping[str, torch.Tensor]:
+        state = self.state
+        key = self.global_names.get(name, name)
+        if key not in state.fp32:
             raise CheckpointError(
-                f"parameter {name!r} is not in the DeepSpeed checkpoint {str(state.path)!r}"
+                f"parameter {key!r} is not in the DeepSpeed checkpoint {str(state.path)!r}"
             )
-        values = {"param": state.fp32[name][start:stop]}
-        for key, value in state.moments.get(name, {}).items():
-            values[key] = value[start:stop]
+        values = {"param": state.fp32[key][start:stop]}
+        for moment, value in state.moments.get(key, {}).items():
+            values[moment] = value[start:stop]
         return values
 
-    return lookup
+
+def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """This rank's expert parameter names (local ids) -> the same names with global ids:
+    local id ``i`` of an MoE layer at expert-parallel rank ``e`` with ``L`` local experts is
+    global ``e * L + i`` (DeepSpeed's numbering)."""
+    ds_moe = sys.modules.get("ds_moe")
+    if ds_moe is None:
+        return {}
+    names: dict[str, str] = {}
+    for layer_name, found in module.named_modules():
+        if not isinstance(found, ds_moe.MoE):
+            continue
+        layer: Any = found
+        group = layer.expert_group
+        local = int(layer.num_local_experts)
+        first = (int(group.expert_parallel_rank) if group is not None else 0) * local
+        prefix = f"{layer_name}." if layer_name else ""
+        for name, _ in layer.named_parameters():
+            match = EXPERT_PARAM.match(prefix + name)
+            if match is not None:
+                names[prefix + name] = (
+                    f"{match['prefix']}{first + int(match['id'])}.{match['suffix']}"
+                )
+    return names
 
 
 def _restore_scalars(optimizer: Any, state: DeepSpeedState) -> None:
@@ -132,20 +169,13 @@ def load_deepspeed_checkpoint(
         _load_module(engine, state, strict)
     optimizer = engine.optimizer
     zero = isinstance(optimizer, (ZeroOptimizer, Stage3Optimizer))
-    if state.experts and optimizer_states and not module_only:
-        raise DeepSpeedCheckpointError(
-            f"loading the optimizer state of a DeepSpeed MoE checkpoint ({str(state.path)!r}, "
-            f"experts in {state.experts[0]} ...) is not implemented; "
-            "pass load_optimizer_states=False to load the weights (dense and experts), the "
-            "schedule and the counters"
-        )
     if optimizer_states and zero and not module_only:
         if not state.fp32:
             raise DeepSpeedCheckpointError(
                 f"the DeepSpeed checkpoint {str(state.path)!r} holds no optimizer state; load "
                 "it with load_optimizer_states=False"
             )
-        optimizer.load_checkpoint_shards(_lookup(state))
+        optimizer.load_checkpoint_shards(_Lookup(state, engine.module))
         _restore_scalars(optimizer, state)
         _restore_loss_scaler(engine.loss_scaler, state)
     elif zero:
@@ -201,7 +231,7 @@ def load_deepspeed_pipeline_checkpoint(
                 target.copy_(state.module[key])
     zero = getattr(engine, "zero", None)
     if optimizer_states and zero is not None and not module_only:
-        zero.load_checkpoint_shards(_lookup(state))
+        zero.load_checkpoint_shards(_Lookup(state, engine.module))
         _restore_scalars(zero, state)
         _restore_loss_scaler(engine.loss_scaler, state)
     elif zero is not None and hasattr(zero, "refresh_fp32_params"):

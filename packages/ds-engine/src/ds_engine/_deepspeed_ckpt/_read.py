@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError, load_file
+from ds_engine._deepspeed_ckpt._read_moe import read_moe_optimizer
 
 __all__ = ["DeepSpeedState", "deepspeed_tag_dir", "is_deepspeed_checkpoint", "read_checkpoint"]
 
@@ -72,6 +73,8 @@ ENGINE_KEYS = frozenset(
         "ds_config",
         "ds_version",
         "num_experts",
+        "ds_autoep_layers",
+        "universal_checkpoint_info",
     }
 )
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -93,8 +96,10 @@ class DeepSpeedState:
         loss_scaler: the loss scaler's attributes (``cur_scale``, ``dynamic``, ...), or None.
         engine: the model file's engine entries (``global_steps``, ``lr_scheduler``, ...).
         client_state: the model file's other top-level keys.
-        experts: MoE expert files (``layer_<L>_expert_<E>_mp_rank_00_model_states.pt``).
-        expert_optimizer_files: MoE optimizer files (``expp_rank_<r>_...``), not read yet.
+        experts: MoE expert files (``layer_<L>_expert_<E>_mp_rank_00_model_states.pt``); with
+            them, ``fp32`` and ``moments`` name experts by global id (see [Note: DeepSpeed's
+            MoE optimizer files]).
+        expert_optimizer_files: MoE optimizer files of stage 0 (``expp_rank_<e>_...``).
     """
 
     path: Path
@@ -326,8 +331,8 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
             checkpoints key the optimizer state by position).
 
     Raises:
-        DeepSpeedCheckpointError: a missing or inconsistent file, named; pipeline layer files
-            and MoE expert files, which ds does not read yet.
+        DeepSpeedCheckpointError: a missing or inconsistent file, named; tensor-parallel
+            pipeline layer files, which ds does not read yet.
     """
     names = sorted(p.name for p in path.iterdir())
     refused = [n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$", n)]
@@ -338,9 +343,6 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
             "zero_to_fp32 and load them with load_state_dict"
         )
     experts = [n for n in names if _EXPERT.match(n)]
-    for name in experts:  # checked here (data only); ds-moe renames them onto local experts
-        if not isinstance(load_file(path / name), Mapping):
-            raise DeepSpeedCheckpointError(f"{str(path / name)!r} does not hold a state dict")
     expert_optim = [n for n in names if n.startswith("expp_rank_")]
     files = _optim_files(path)
     model_file = path / _MODEL
@@ -363,15 +365,20 @@ def read_checkpoint(path: Path, trainable: Sequence[str]) -> DeepSpeedState:
     state.client_state = {k: v for k, v in model.items() if k not in ENGINE_KEYS}
     state.experts = experts
     state.expert_optimizer_files = expert_optim
-    if experts:  # the optimizer state is not read (refused on load); still data only
-        for name in expert_optim + [p.name for p in files.values()]:
-            load_file(path / name)
+    if files and len(files) != world:
+        raise DeepSpeedCheckpointError(
+            f"{str(model_file)!r} says dp_world_size {world} but {str(path)!r} holds "
+            f"{len(files)} ZeRO optimizer files"
+        )
+    if experts:
+        weights = dict(module)
+        for name in experts:  # by global expert id; ds-moe renames them onto local experts
+            saved = load_file(path / name)
+            if not isinstance(saved, Mapping):
+                raise DeepSpeedCheckpointError(f"{str(path / name)!r} does not hold a state dict")
+            weights.update(saved)
+        read_moe_optimizer(state, files, model, weights, trainable)
     elif files:
-        if len(files) != world:
-            raise DeepSpeedCheckpointError(
-                f"{str(model_file)!r} says dp_world_size {world} but {str(path)!r} holds "
-                f"{len(files)} ZeRO optimizer files"
-            )
         shapes = _need(model, "param_shapes", model_file)
         probe = load_file(files[0])
         inner = _need(probe, "optimizer_state_dict", files[0])
