@@ -330,9 +330,12 @@ def test_build_zero_optimizer_dispatches_on_stage() -> None:
             model, adam(list(model.parameters())), ZeroConfig(stage=1), partitioner=object()
         )
     model = make_model(torch.float32)
-    with pytest.raises(ValueError, match="stage = 3 does not support swapper"):
+    with pytest.raises(ValueError, match="stage = 3 does not support param_group_process_groups"):
         build_zero_optimizer(
-            model, adam(list(model.parameters())), ZeroConfig(stage=3), swapper=object()
+            model,
+            adam(list(model.parameters())),
+            ZeroConfig(stage=3),
+            param_group_process_groups=[object()],
         )
     zero3 = build_zero_optimizer(  # the engine's defaults for the stage 0-2 arguments pass
         model,

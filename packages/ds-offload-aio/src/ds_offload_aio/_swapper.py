@@ -53,6 +53,11 @@ class AsyncTensorSwapper:
         self._pool = pool
         self._in_flight: deque[_InFlight] = deque()
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory this swapper stages through (its pool's buffers)."""
+        return self._pool.buffer_bytes * self._pool.count
+
     def swap_out(
         self,
         tensors: Sequence[torch.Tensor],

@@ -14,10 +14,10 @@ __all__ = ["build_zero_optimizer"]
 
 # Keyword arguments of ZeroOptimizer that Stage3Optimizer does not take, and why.
 _NOT_IN_STAGE_3 = {
-    "swapper": 'offload_optimizer.device = "nvme" is not supported with stage 3 yet',
-    "param_group_process_groups": "param groups on their own process groups (MoE experts)",
-    "norm_group": "a pipeline/model-parallel norm group",
-    "norm_exclude": "excluding parameters from the norm",
+    "param_group_process_groups": (
+        "param groups on their own process groups (MoE experts): stage 3 partitions every "
+        "parameter over the one data-parallel group (DeepSpeed refuses its MoE at stage 3 too)"
+    ),
 }
 
 
@@ -50,7 +50,7 @@ def build_zero_optimizer(
             reasons = "; ".join(f"{k}: {_NOT_IN_STAGE_3[k]}" for k in refused)
             raise ValueError(
                 f"zero_optimization.stage = 3 does not support {reasons}; drop those arguments "
-                "or use stage 2"
+                "or use stage 1 or 2"
             )
         kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_IN_STAGE_3}
         return Stage3Optimizer(model, optimizer, config, **kwargs)

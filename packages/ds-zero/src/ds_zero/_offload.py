@@ -18,7 +18,7 @@ anything satisfying :class:`~ds_zero.api.TensorSwapper`; files go under
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -66,10 +66,14 @@ def default_swapper(buffer_bytes: int, buffer_count: int) -> TensorSwapper:
 class StateSwap:
     """Swaps an optimizer's partition-sized state tensors out after a step and in before the next.
 
+    Every method takes the indices of the masters to move (None: all of them), so stage 3 can
+    keep one sub-group's state in memory at a time and read the next one's while stepping the
+    current one (see ``_stage3_optimizer.py``'s [Note: ZeRO-Infinity sub-group pipeline]).
+
     Args:
         swapper: the NVMe swapper.
         optimizer: the optimizer whose ``state`` holds partition-sized tensors.
-        masters: the tensors the optimizer steps (one per group).
+        masters: the tensors the optimizer steps (one per group or sub-group).
         folder: this rank's directory for the swap files (created).
     """
 
@@ -84,36 +88,60 @@ class StateSwap:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self._out: dict[tuple[int, str], tuple[torch.Size, torch.dtype]] = {}
+        self._reading: dict[tuple[int, str], torch.Tensor] = {}  # started, not installed yet
+        self.reads = self.writes = 0  # state tensors read from / written to files
 
     def _path(self, index: int, name: str) -> str:
         return str(self.folder / f"group{index}_{name}.swp")
 
-    def swap_out(self) -> None:
-        """Write every partition-sized state tensor out and drop it from the optimizer."""
+    def _indices(self, indices: Iterable[int] | None) -> list[int]:
+        return list(range(len(self.masters))) if indices is None else list(indices)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked staging memory of the swapper (0 when it does not say)."""
+        return int(getattr(self.swapper, "pinned_bytes", 0) or 0)
+
+    def swap_out(self, indices: Iterable[int] | None = None, *, async_op: bool = False) -> None:
+        """Write the partition-sized state tensors of ``indices`` out and drop them from the
+        optimizer (with ``async_op`` the last writes may be in flight until :meth:`wait`; the
+        tensors are staged already, so they are freed here either way)."""
         moved, tensors = [], []
-        for index, master in enumerate(self.masters):
+        for index in self._indices(indices):
+            master = self.masters[index]
             for name, value in self.optimizer.state.get(master, {}).items():
                 if isinstance(value, torch.Tensor) and value.numel() == master.numel():
                     moved.append((index, name))
                     tensors.append(value)
         if not moved:
             return
-        self.swapper.swap_out(tensors, [self._path(i, n) for i, n in moved])
+        self.swapper.swap_out(tensors, [self._path(i, n) for i, n in moved], async_op=async_op)
+        self.writes += len(moved)
         for (index, name), tensor in zip(moved, tensors):
             self._out[index, name] = (tensor.shape, tensor.dtype)
             del self.optimizer.state[self.masters[index]][name]
 
-    def swap_in(self) -> None:
-        """Read the swapped-out tensors back into the optimizer's state."""
-        if not self._out:
-            return
-        keys = list(self._out)
-        tensors = [
-            torch.empty(shape, dtype=dtype, device=self.masters[index].device)
-            for (index, _), (shape, dtype) in self._out.items()
-        ]
-        self.swapper.swap_in(tensors, [self._path(i, n) for i, n in keys], async_op=True)
+    def swap_in(self, indices: Iterable[int] | None = None, *, async_op: bool = False) -> None:
+        """Read the swapped-out tensors of ``indices`` back into the optimizer's state; with
+        ``async_op`` the reads are only started, and :meth:`wait` installs them."""
+        wanted = set(self._indices(indices))
+        keys = [k for k in self._out if k[0] in wanted and k not in self._reading]
+        if keys:
+            tensors = []
+            for key in keys:
+                shape, dtype = self._out[key]
+                tensor = torch.empty(shape, dtype=dtype, device=self.masters[key[0]].device)
+                self._reading[key] = tensor
+                tensors.append(tensor)
+            self.swapper.swap_in(tensors, [self._path(i, n) for i, n in keys], async_op=True)
+            self.reads += len(keys)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete every transfer in flight and install the tensors read."""
         self.swapper.wait()
-        for (index, name), tensor in zip(keys, tensors):
+        for (index, name), tensor in self._reading.items():
             self.optimizer.state[self.masters[index]][name] = tensor
-        self._out.clear()
+            del self._out[index, name]
+        self._reading.clear()

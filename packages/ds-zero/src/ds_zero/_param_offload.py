@@ -161,6 +161,11 @@ class NvmeShardStore:
         return self._swapper
 
     @property
+    def pinned_bytes(self) -> int:
+        """Page-locked staging memory of the swapper (0 before the first transfer builds it)."""
+        return int(getattr(self._swapper, "pinned_bytes", 0) or 0) if self._swapper else 0
+
+    @property
     def resident_numel(self) -> int:
         """Elements of shards in host memory now."""
         self._forget_dead()

@@ -23,6 +23,25 @@ again.
 
 Every rank must use the same parameters in a backward (the reduce-scatters are issued in the
 order gradients complete); a parameter no rank used gets no reduction (its gradient is zero).
+
+[Note: ZeRO-Infinity sub-group pipeline]
+With ``offload_optimizer.device = "nvme"`` the optimizer state of every master sub-group lives
+in files (``<nvme_path>/ds_zero/rank<r>/group<i>_<name>.swp``, through a
+:class:`~ds_zero.api.TensorSwapper`, ds-offload-aio's ``AsyncTensorSwapper`` by default) and at
+most two sub-groups' state is in host memory at once. ``step()`` walks the sub-groups in order:
+it waits for sub-group ``i``'s state (and for sub-group ``i - 1``'s writes), starts reading
+sub-group ``i + 1``'s, steps the wrapped optimizer on sub-group ``i`` alone (its param groups
+narrowed to that master for the call), and starts writing sub-group ``i``'s state back. So the
+read of the next sub-group and the write of the previous one overlap the optimizer step of the
+current one, as far as the swapper's staging buffers reach: ``AsyncTensorSwapper`` keeps
+``buffer_count`` pieces in flight and completes the oldest when it needs a buffer, so a
+sub-group larger than its pool is partly read before the step starts. ``sub_group_size`` sets
+the granularity, as in DeepSpeed. With ``offload_param.device = "nvme"`` too (ZeRO-Infinity's
+canonical setup) the parameter shards are in their own files as well (``_param_offload.py``'s
+[Note: the NVMe shard store]), and host memory holds the fp32 masters, the gradient shards
+during a step, the resident parameter shards and the two swappers' page-locked buffers:
+:meth:`Stage3Optimizer.host_memory` itemises it, ``memory_breakdown().host`` sums it, and it is
+logged at construction.
 """
 
 # DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
@@ -31,19 +50,24 @@ order gradients complete); a parameter no rank used gets no reduction (its gradi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._core import GradientCore
-from ds_zero._offload import accepts_fp16_param_groups, host_zeros
+from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
 from ds_zero._optimizer import (
     _dp_rank_and_size,
     _trainable_groups,
     check_step_options,
+    dist_rank,
     step_in_slices,
 )
 from ds_zero._param_access import register_param_owner
@@ -52,9 +76,11 @@ from ds_zero._shard_reduce import ShardGradReducer, Slot
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
 from ds_zero._streams import CollectiveQueue
-from ds_zero.api import MemoryBreakdown, ZeroConfig
+from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
 __all__ = ["Stage3Optimizer"]
+
+logger = logging.getLogger("ds_zero")
 
 _FORMAT = "ds_zero.stage3/1"
 
@@ -79,6 +105,13 @@ class Stage3Optimizer(GradientCore):
         partitioner: the :class:`~ds_zero.ParamPartitioner` that partitioned the model; None:
             the one of parameters already partitioned (``ds_zero.Init``), else a new one built
             from ``config``.
+        swapper: where optimizer state goes with ``offload_optimizer.device="nvme"``
+            (ZeRO-Infinity; default: ds-offload-aio's ``AsyncTensorSwapper``); see
+            [Note: ZeRO-Infinity sub-group pipeline].
+        norm_group: as :class:`~ds_zero.ZeroOptimizer`: a further group (pipeline or model
+            parallel) over which the squared gradient norm is summed.
+        norm_exclude: as :class:`~ds_zero.ZeroOptimizer`: parameters another rank of
+            ``norm_group`` counts in the norm.
 
     Example:
         >>> zero = Stage3Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -100,17 +133,15 @@ class Stage3Optimizer(GradientCore):
         gradient_predivide_factor: float | None = None,
         communication_data_type: torch.dtype | str | None = None,
         partitioner: ParamPartitioner | None = None,
+        swapper: TensorSwapper | None = None,
+        norm_group: Any = None,
+        norm_exclude: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
         if self.config.stage != 3:
             raise ValueError(
                 f"zero_optimization.stage = {self.config.stage}: Stage3Optimizer needs stage 3; "
                 "use ZeroOptimizer (or ds_zero.build_zero_optimizer) for stages 0-2"
-            )
-        if self.config.offload_optimizer.device == "nvme":
-            raise ValueError(
-                'zero_optimization.offload_optimizer.device = "nvme" is not supported with stage '
-                '3 yet; use "cpu"'
             )
         comm_dtype = check_step_options(
             gradient_accumulation_steps,
@@ -144,6 +175,9 @@ class Stage3Optimizer(GradientCore):
             and self._param_dtype in (torch.float16, torch.bfloat16)
             and accepts_fp16_param_groups(optimizer)
         )
+        self._swap = self._state_swap(swapper)
+        self.norm_group = norm_group
+        self._norm_exclude = self._excluded_slots(norm_exclude)
         self.hooks = Stage3Hooks(
             model,
             self.partitioner,
@@ -172,6 +206,16 @@ class Stage3Optimizer(GradientCore):
         )
         self._init_core()
         register_param_owner(self, self._slots_params())
+        host = self.host_memory()
+        if host:
+            logger.info(
+                "ZeRO-3 offload (optimizer: %s, parameters: %s): %.1f MiB of host memory on "
+                "this rank (%s)",
+                self.config.offload_optimizer.device,
+                self.config.offload_param.device,
+                sum(host.values()) / 2**20,
+                ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in host.items()),
+            )
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -206,6 +250,28 @@ class Stage3Optimizer(GradientCore):
             offload=offload,
             shard_store=store,
         )
+
+    def _state_swap(self, swapper: TensorSwapper | None) -> StateSwap | None:
+        """The NVMe swap of the optimizer state (``offload_optimizer.device = "nvme"``)."""
+        offload = self.config.offload_optimizer
+        if offload.device != "nvme":
+            return None
+        if swapper is None:
+            largest = 4 * max((m.numel() for m in self.masters), default=1)
+            swapper = default_swapper(min(largest, 64 << 20), offload.buffer_count)
+        folder = Path(str(offload.nvme_path)) / "ds_zero" / f"rank{dist_rank()}"
+        return StateSwap(swapper, self.optimizer, self.masters, folder)
+
+    def _excluded_slots(
+        self, params: Sequence[torch.nn.Parameter]
+    ) -> dict[int, list[tuple[int, int]]]:
+        """``{sub-group: [(offset, numel), ...]}`` of the shards of the excluded parameters."""
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for p in params:
+            slot = self._slots.get(id(p))
+            if slot is not None:
+                ranges.setdefault(slot.index, []).append((slot.offset, slot.numel))
+        return ranges
 
     def _slots_params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.trainable for p in group]
@@ -282,24 +348,85 @@ class Stage3Optimizer(GradientCore):
         return [self.reducer.grad_shard(i) for i in range(len(self.masters))]
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        norm_group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
-        return float(global_grad_norm(grads, 2.0, group=norm_group))
+        if self.norm_group is None and not self._norm_exclude:
+            norm_group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
+            return float(global_grad_norm(grads, 2.0, group=norm_group))
+        # Summed over the data-parallel group (disjoint shards) and norm_group (other
+        # parameters), without the excluded parameters' shards (counted by another rank).
+        device = grads[0].device if grads else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for index, grad in enumerate(grads):
+            part = grad.double().pow(2).sum()
+            for offset, numel in self._norm_exclude.get(index, ()):
+                part -= grad.narrow(0, offset, numel).double().pow(2).sum()
+            squares += part
+        if self.world_size > 1:
+            ds_comm.all_reduce(squares, group=self.group)
+        if self.norm_group is not None:
+            ds_comm.all_reduce(squares, group=self.norm_group)
+        return float(squares.clamp(min=0).sqrt()) if squares.isfinite() else float(squares)
 
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         for master, grad in zip(self.masters, grads):
             master.grad = grad
-        low: list[torch.Tensor] = []
-        if self._fused_copy:  # CPUAdam writes the low-precision shards in the same pass
-            low = [torch.empty_like(m, dtype=self._param_dtype) for m in self.masters]
-            lows = iter(low)
-            self.optimizer.step(
-                fp16_param_groups=[[next(lows) for _ in g["params"]] for g in self.param_groups]
-            )
-        elif not step_in_slices(self.optimizer):  # [Note: stepping a flat master in slices]
-            self.optimizer.step()
+        # CPUAdam writes the low-precision shards in the same pass (ZeRO-Offload's fused copy)
+        low = (
+            [torch.empty_like(m, dtype=self._param_dtype) for m in self.masters]
+            if self._fused_copy
+            else []
+        )
+        if self._swap is None:
+            self._step_sub_groups(range(len(self.masters)), low)
+        else:
+            self._step_swapped(self._swap, low)
         for master in self.masters:
             master.grad = None
         self._publish(low or None)
+
+    def _step_swapped(self, swap: StateSwap, low: list[torch.Tensor]) -> None:
+        """Step one sub-group at a time, its state read from NVMe while the previous one
+        steps (see [Note: ZeRO-Infinity sub-group pipeline])."""
+        count = len(self.masters)
+        swap.swap_in([0], async_op=True)
+        for index in range(count):
+            swap.wait()  # this sub-group's state is in; the previous one's writes are done
+            if index + 1 < count:
+                swap.swap_in([index + 1], async_op=True)
+            self._step_sub_groups([index], low)
+            swap.swap_out([index], async_op=True)
+        swap.wait()
+
+    def _step_sub_groups(self, indices: Iterable[int], low: list[torch.Tensor]) -> None:
+        """Step the wrapped optimizer on the masters of ``indices`` only (the param groups
+        are narrowed for the call and restored after it)."""
+        wanted = {id(self.masters[i]): i for i in indices}
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            if len(wanted) < len(self.masters):
+                for group, params in zip(groups, saved):
+                    group["params"] = [m for m in params if id(m) in wanted]
+            if low:
+                self.optimizer.step(
+                    fp16_param_groups=[[low[wanted[id(m)]] for m in g["params"]] for g in groups]
+                )
+            elif not step_in_slices(self.optimizer):  # [Note: stepping a flat master in slices]
+                self.optimizer.step()
+        finally:
+            for group, params in zip(groups, saved):
+                group["params"] = params
+
+    @contextlib.contextmanager
+    def _resident_state(self) -> Iterator[None]:
+        """The optimizer state swapped in from NVMe for the duration (a no-op otherwise)."""
+        if self._swap is None:
+            yield
+            return
+        self._swap.swap_in()
+        try:
+            yield
+        finally:
+            self._swap.swap_out()
 
     def _publish(self, low: list[torch.Tensor] | None = None) -> None:
         """Write the masters (or their low-precision copies) into the shards, and persistent
@@ -351,13 +478,17 @@ class Stage3Optimizer(GradientCore):
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: its fp32 masters and optimizer state (same world size to load;
         use :meth:`checkpoint_shards` for a reshardable checkpoint)."""
+        with self._resident_state():
+            optimizer_state = self.optimizer.state_dict()
+            # torch's state dict shares the per-parameter dicts the swap-out empties
+            optimizer_state["state"] = {k: dict(v) for k, v in optimizer_state["state"].items()}
         return {
             "format": _FORMAT,
             "stage": 3,
             "rank": self.rank,
             "world_size": self.world_size,
             "masters": [m.detach() for m in self.masters],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "counters": self._counters(),
         }
@@ -376,7 +507,8 @@ class Stage3Optimizer(GradientCore):
         with torch.no_grad():
             for master, value in zip(self.masters, saved):
                 master.copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self._resident_state():
+            self.optimizer.load_state_dict(state["optimizer"])
         self._publish()
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
@@ -387,6 +519,10 @@ class Stage3Optimizer(GradientCore):
         """This rank's piece of every parameter and of its elementwise optimizer state (see
         ``_shards.py``'s [Note: tensor shards]); persistent parameters report their r-th slice
         too, so every element is covered exactly once."""
+        with self._resident_state():  # the views keep the swapped-in state alive
+            return self._checkpoint_shards()
+
+    def _checkpoint_shards(self) -> list[TensorShard]:
         shards = []
         trainable = {id(p) for p in self._slots_params()}
         for name, p in self.module.named_parameters():
@@ -412,6 +548,11 @@ class Stage3Optimizer(GradientCore):
         optimizer has state already, else set to :attr:`global_steps`; the checkpoint reader
         restores the saved scalars after this call.
         """
+        with self._resident_state():
+            self._load_checkpoint_shards(lookup)
+        self.zero_grad()
+
+    def _load_checkpoint_shards(self, lookup: ShardLookup) -> None:
         trainable = {id(p) for p in self._slots_params()}
         states: list[dict[str, torch.Tensor]] = [{} for _ in self.masters]
         with torch.no_grad():
@@ -446,7 +587,6 @@ class Stage3Optimizer(GradientCore):
             self._publish()
             frozen = [p for p in self.module.parameters() if id(p) not in trainable]
             self.partitioner.write_full_from_shards([p for p in frozen if p.ds_persist])
-        self.zero_grad()
 
     # --- memory ----------------------------------------------------------------------------------
 
@@ -454,26 +594,10 @@ class Stage3Optimizer(GradientCore):
         """Bytes this rank holds: ``params`` are the shards plus whole persistent parameters,
         ``grads`` the fp32 gradient shards from a backward to the step after it (freed
         between steps), ``buffers`` the peak gathered working set plus the largest reduction
-        bucket."""
+        bucket, ``host`` what offload keeps in host memory (see :meth:`host_memory`)."""
         params = self.partitioner.shard_nbytes()
-        aliased = {
-            self._slots[id(p)].index for p in self._slots_params() if self._slots[id(p)].aliased
-        }
         grads = sum(4 * m.numel() for m in self.masters)  # fp32, while gradients exist
-        optimizer_state = host = 0
-        for i, master in enumerate(self.masters):
-            tensors = [] if i in aliased else [master]
-            tensors += [
-                v
-                for v in self.optimizer.state.get(master, {}).values()
-                if torch.is_tensor(v) and v.numel() > 1
-            ]
-            for t in tensors:
-                optimizer_state += t.nbytes
-                if self.config.offload_optimizer.enabled:
-                    host += t.nbytes
-        if self.config.offload_optimizer.enabled:
-            host += grads
+        optimizer_state = sum(self._optimizer_state_bytes().values())
         itemsize = self.partitioner.params[0].element_size() if self.partitioner.params else 0
         working = self.partitioner.peak_gathered_numel * itemsize
         return MemoryBreakdown(
@@ -481,8 +605,48 @@ class Stage3Optimizer(GradientCore):
             grads=grads,
             optimizer_state=optimizer_state,
             buffers=working + self.reducer.bucket_bytes,
-            host=host,
+            host=sum(self.host_memory().values()),
         )
+
+    def _optimizer_state_bytes(self) -> dict[str, int]:
+        """Bytes of the fp32 masters (unless they are the shards) and of the optimizer's
+        elementwise state in memory now (swapped-out state is on NVMe)."""
+        aliased = {s.index for s in self._slots.values() if s.aliased}
+        masters = state = 0
+        for i, master in enumerate(self.masters):
+            masters += 0 if i in aliased else master.nbytes
+            state += sum(
+                v.nbytes
+                for v in self.optimizer.state.get(master, {}).values()
+                if torch.is_tensor(v) and v.numel() > 1
+            )
+        return {"masters": masters, "optimizer_state": state}
+
+    def host_memory(self) -> dict[str, int]:
+        """Bytes this rank keeps in host memory because of offload, by kind: fp32 masters,
+        optimizer state and gradient shards (``offload_optimizer``), parameter shards
+        (``offload_param``: all of them with cpu, the resident ones with nvme) and the
+        page-locked staging buffers of the NVMe swappers. Empty without offload.
+
+        Example:
+            >>> sum(zero.host_memory().values()) == zero.memory_breakdown().host
+        """
+        host: dict[str, int] = {}
+        if self.config.offload_optimizer.enabled:
+            host.update(self._optimizer_state_bytes())
+            host["grads"] = sum(g.nbytes for g in self.grad_shards if g is not None)
+        if self.config.offload_param.enabled:
+            host["param_shards"] = sum(
+                p.ds_tensor.nbytes
+                for p in self.partitioner.params
+                if p.ds_tensor.device.type == "cpu"
+            )
+        staging = self._swap.pinned_bytes if self._swap is not None else 0
+        store = self.partitioner.shard_store
+        staging += int(getattr(store, "pinned_bytes", 0) or 0)
+        if staging:
+            host["pinned_staging"] = staging
+        return host
 
 
 def _elementwise(value: Any, master: torch.Tensor) -> bool:
