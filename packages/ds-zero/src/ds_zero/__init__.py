@@ -53,6 +53,7 @@ from ds_zero._memory import (
     estimate_zero2_model_states_mem_needs_all_live,
     estimate_zero3_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states,
     estimate_zero3_model_states_mem_needs_all_live,
     model_states_table,
 )
@@ -143,3 +144,4 @@ __all__ = [
     "estimate_zero3_model_states_mem_needs_all_live",
     "__version__",
 ]
+    "estimate_zero3_model_states",

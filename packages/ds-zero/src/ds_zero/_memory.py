@@ -29,6 +29,7 @@ from ds_zero.api import MemoryBreakdown
 
 __all__ = [
     "estimate_model_states",
+    "estimate_zero3_model_states",
     "estimate_zero2_model_states_mem_needs",
     "estimate_zero2_model_states_mem_needs_all_cold",
     "estimate_zero2_model_states_mem_needs_all_live",
@@ -80,6 +81,49 @@ def estimate_model_states(
         grads=grads,
         optimizer_state=state,
         host=4 * shard + state if offload else 0,
+    )
+
+
+def estimate_zero3_model_states(
+    num_params: int,
+    largest_layer_params: int,
+    *,
+    world_size: int,
+    param_bytes: int = 2,
+    optimizer_state_bytes: int = 8,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    reduce_bucket_numel: int = 0,
+) -> MemoryBreakdown:
+    """Bytes one rank holds at stage 3, as ds-zero lays it out (``ZeroStage3Optimizer.
+    memory_breakdown()`` measures the same quantities).
+
+    Each rank keeps ``1/N`` of the parameters (``P/N`` bytes each), an fp32 gradient shard
+    (``4/N``), an fp32 master shard (``4/N``, none when the parameters are fp32: the shard is
+    the master) and the optimizer's state (``K/N``). On top it gathers one module's parameters
+    at a time (``largest_layer_params`` full-size) and reduces through a bucket of
+    ``reduce_bucket_numel`` elements (0: counted in the gathered layer). ``offload_optimizer``
+    moves the gradient, master and optimizer shards to host memory, ``offload_param`` the
+    parameter shards.
+
+    Example:
+        >>> estimate_zero3_model_states(10**9, 10**7, world_size=8).model_states / 10**9
+        2.25
+    """
+    n = world_size
+    shard = -(-num_params // n)
+    master = 0 if param_bytes == 4 else 4 * shard
+    params = param_bytes * shard
+    grads = 4 * shard
+    state = master + optimizer_state_bytes * shard
+    host = (grads + state if offload_optimizer else 0) + (params if offload_param else 0)
+    bucket = param_bytes * min(reduce_bucket_numel, num_params)
+    return MemoryBreakdown(
+        params=params,
+        grads=grads,
+        optimizer_state=state,
+        buffers=param_bytes * largest_layer_params + bucket,
+        host=host,
     )
 
 
