@@ -57,13 +57,6 @@ ABSENT: dict[str, str] = {
     "autotuning_metric_path": _AUTOTUNING,
     "autotuning_model_info_path": _AUTOTUNING,
     "autotuning_profile_model_info": _AUTOTUNING,
-    "offload_states": (
-        "offloading optimizer states and parameters between steps is not implemented in "
-        "ds-zero; use zero_optimization.offload_optimizer / offload_param"
-    ),
-    "reload_states": (
-        "offload_states() is not implemented in ds-zero, so there is nothing to reload"
-    ),
     "load_moe_state_dict": (
         "DeepSpeed's MoE checkpoint reader; load_checkpoint() restores ds-moe's expert files"
     ),

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, cast
 
 import torch
 
 import ds_comm
+import ds_zero
 from ds_comm.accelerator import get_accelerator
-from ds_zero import GatheredParameters
+from ds_zero import GatheredParameters, OffloadStateTypeEnum
 
 __all__ = ["EngineSurface", "replace_config"]
+
+logger = logging.getLogger("DeepSpeed")
 
 
 def replace_config(config: Any, **changes: Any) -> Any:
@@ -341,6 +345,54 @@ class EngineSurface:
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` has compiled the module."""
         return getattr(self, "_is_compiled", False)
+
+    # --- state offload between training phases (RLHF) -------------------------------------------
+
+    def offload_states(
+        self,
+        include: Collection[OffloadStateTypeEnum | str] | None = None,
+        device: str = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move the optimizer's state (``include``: ``OffloadStateTypeEnum`` kinds, None: all)
+        from the accelerator to host memory until :meth:`reload_states`, as RLHF loops do
+        around generation; see ds-zero's [Note: relocating storages, not tensors].
+
+        Raises:
+            ValueError: ``device`` other than ``"cpu"``/``"none"``, ``offload_param`` enabled, or
+                an engine without an optimizer.
+        """
+        optimizer = self._state_optimizer("offload_states")
+        target = getattr(device, "value", device)
+        if target == "none":
+            logger.warning("offload_states(device='none'): no device to offload to; nothing moved")
+            return
+        if target != "cpu":
+            raise ValueError(
+                f"offload_states(device={target!r}): only 'cpu' is supported (as DeepSpeed); "
+                "pass device=OffloadDeviceEnum.cpu"
+            )
+        ds_zero.offload_states(optimizer, include, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move what :meth:`offload_states` moved back to the accelerator."""
+        ds_zero.reload_states(self._state_optimizer("reload_states"), non_blocking=non_blocking)
+
+    def _state_optimizer(self, verb: str) -> Any:
+        if self.optimizer is None:
+            raise ValueError(
+                f"{verb}(): the engine has no optimizer, so there is no training state to move "
+                "(pass an optimizer or an 'optimizer' config section to initialize())"
+            )
+        if self._config.zero_optimization.offload_param.device != "none":
+            raise ValueError(
+                f"{verb}(): zero_optimization.offload_param.device = "
+                f"{self._config.zero_optimization.offload_param.device!r} keeps the parameters "
+                "off the device already; moving states is not supported with parameter offload "
+                "(as DeepSpeed); set offload_param.device to 'none'"
+            )
+        return self.optimizer
 
     def collect_python_gc(self) -> int:
         """Run Python's cyclic garbage collector now (at a boundary the caller chooses);

@@ -65,11 +65,19 @@ from ds_zero._safetensors import export_safetensors
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats
 from ds_zero._stage3_optimizer import Stage3Optimizer
+from ds_zero._state_offload import (
+    offload_states,
+    offloaded_states,
+    reload_states,
+    resident_state_bytes,
+    state_tensors,
+)
 from ds_zero.api import (
     ConfigError,
     MemoryBreakdown,
     OffloadOptimizerConfig,
     OffloadParamConfig,
+    OffloadStateTypeEnum,
     TensorSwapper,
     ZeroConfig,
 )
@@ -142,6 +150,13 @@ __all__ = [
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
+    # state offload between training phases (DeepSpeed's offload_states / reload_states)
+    "OffloadStateTypeEnum",
+    "offload_states",
+    "reload_states",
+    "offloaded_states",
+    "resident_state_bytes",
+    "state_tensors",
     "__version__",
 ]
     "estimate_zero3_model_states",

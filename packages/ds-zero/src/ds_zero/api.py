@@ -12,6 +12,7 @@ key.
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "ConfigError",
     "MemoryBreakdown",
     "OffloadOptimizerConfig",
+    "OffloadStateTypeEnum",
     "OffloadParamConfig",
     "TensorSwapper",
     "ZeroConfig",
@@ -460,6 +462,17 @@ def _is_default(value: Any, default: Any) -> bool:
     if isinstance(default, bool) or default is None:
         return value is default
     return not isinstance(value, bool) and value == default
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """The kinds of training state ``offload_states`` moves off the compute device (DeepSpeed's
+    names; see ``_state_offload.py``)."""
+
+    optim_states = "optim_states"  # the wrapped optimizer's state (Adam's moments)
+    hp_params = "hp_params"  # the fp32 master partitions
+    lp_params = "lp_params"  # the model's (low-precision) parameters or stage 3 shards
+    lp_grads = "lp_grads"  # gradient buffers and partitions held between steps
+    contiguous_grad_buffer = "contiguous_grad_buffer"  # reusable reduction staging buffers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,8 @@
 
 ``Init`` partitions modules while they are built, ``GatheredParameters`` gathers partitioned
 parameters for a moment, ``register_external_parameter`` names a parameter a module uses without
-owning it. Submodules: ``partition_parameters``, ``config``, ``offload_config``, ``stage3``,
-``stage_1_and_2``.
+owning it. Submodules: ``partition_parameters``, ``config``, ``offload_config``,
+``offload_states``, ``stage3``, ``stage_1_and_2``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ds_zero import (
 from ds_engine.runtime.zero import (
     config,
     offload_config,
+    offload_states,
     partition_parameters,
     stage3,
     stage_1_and_2,
@@ -35,6 +36,7 @@ __all__ = [
     # submodules
     "config",
     "offload_config",
+    "offload_states",
     "partition_parameters",
     "stage3",
     "stage_1_and_2",

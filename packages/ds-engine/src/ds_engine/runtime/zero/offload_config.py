@@ -1,11 +1,11 @@
 """``deepspeed.runtime.zero.offload_config``: the ``offload_param`` / ``offload_optimizer``
-section models (ds-zero)."""
+section models and the ``offload_states`` kinds (ds-zero)."""
 
 from __future__ import annotations
 
 import enum
 
-from ds_zero import OffloadOptimizerConfig, OffloadParamConfig
+from ds_zero import OffloadOptimizerConfig, OffloadParamConfig, OffloadStateTypeEnum
 
 DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
 DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
@@ -25,4 +25,5 @@ __all__ = [
     "OffloadDeviceEnum",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "OffloadStateTypeEnum",
 ]
