@@ -30,8 +30,10 @@ from ds_zero._init import (
 )
 from ds_zero._integrity import (
     CheckpointError,
+    PendingVerification,
     load_file,
     read_json,
+    start_verification,
     verify_directory,
     write_directory_manifest,
 )
@@ -51,9 +53,9 @@ from ds_zero._memory import (
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states,
     estimate_zero3_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs_all_cold,
-    estimate_zero3_model_states,
     estimate_zero3_model_states_mem_needs_all_live,
     model_states_table,
 )
@@ -125,6 +127,8 @@ __all__ = [
     "replace_dir",
     "verify_checkpoint",
     "verify_directory",
+    "start_verification",
+    "PendingVerification",
     "write_directory_manifest",
     "recover_directory",
     "repair_directory",
@@ -143,6 +147,7 @@ __all__ = [
     # memory
     "MemoryBreakdown",
     "estimate_model_states",
+    "estimate_zero3_model_states",
     "model_states_table",
     "estimate_zero2_model_states_mem_needs",
     "estimate_zero2_model_states_mem_needs_all_cold",
@@ -159,4 +164,3 @@ __all__ = [
     "state_tensors",
     "__version__",
 ]
-    "estimate_zero3_model_states",

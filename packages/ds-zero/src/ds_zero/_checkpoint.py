@@ -43,7 +43,7 @@ import math
 import os
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ import ds_comm
 from ds_zero._integrity import (
     DIRECTORY_MANIFEST,
     CheckpointError,
+    PendingVerification,
     agree,
     check_seal,
     is_complete,
@@ -65,6 +66,7 @@ from ds_zero._integrity import (
 from ds_zero._manifest import (
     INDEX,
     MANIFEST,
+    SettlingLookup,
     ShardReader,
     binding_problems,
     build_manifest,
@@ -373,7 +375,13 @@ def _load_shards(optimizer: Any, lookup: ShardLookup) -> None:
             f"a {type(optimizer).__name__} cannot load a sharded checkpoint: pass a ZeRO "
             "optimizer (or an object with checkpoint_shards() and load_checkpoint_shards(lookup))"
         )
+    from ds_zero._optimizer import ZeroOptimizer  # the layout's module imports this one
+
+    if isinstance(lookup, SettlingLookup) and type(optimizer) is not ZeroOptimizer:
+        lookup.settle()  # only the flat layout's reader settles between reading and writing
     optimizer.load_checkpoint_shards(lookup)
+    if isinstance(lookup, SettlingLookup):
+        lookup.settle()  # a no-op once settled
 
 
 _COUNTERS = ("micro_steps", "global_steps", "skipped_steps")
@@ -572,7 +580,11 @@ def _save_per_rank(
 
 
 def verify_checkpoint(
-    path: str | os.PathLike[str], *, group: Any = None, files: bool = True
+    path: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    files: bool = True,
+    pending: PendingVerification | None = None,
 ) -> dict[str, Any]:
     """Check a checkpoint directory: the manifest sealed, every file present with its size and
     checksums, every piece bound to the tensor range its file records, every element of every
@@ -585,6 +597,8 @@ def verify_checkpoint(
         group: the ranks verifying together (None: the default group, or one process).
         files: False skips the file checksums (already verified by a directory manifest above,
             see :func:`~ds_zero._integrity.verify_directory`); the rest is still checked.
+        pending: the directory manifest's check, still running: a problem found here waits
+            for its verdict too, so the error names a damaged file as such.
 
     Returns:
         The manifest.
@@ -609,16 +623,24 @@ def verify_checkpoint(
     except CheckpointError as exc:
         problems = [str(exc)]
     problems = list(dict.fromkeys(agree(problems, group)))
+    if problems and pending is not None:
+        pending.wait(problems)  # raises, with the checksums' verdict
     if problems and not manifest:
         raise CheckpointError(problems[0])
     problems += coverage_problems(manifest) if manifest else []
+    if problems and pending is not None:
+        pending.wait(problems)
     if problems:
         raise CheckpointError(_unusable(source, problems, "cannot be loaded"))
     return manifest
 
 
 def load_sharded_checkpoint(
-    path: str | os.PathLike[str], optimizer: Any, *, verified: bool = False
+    path: str | os.PathLike[str],
+    optimizer: Any,
+    *,
+    verified: bool | PendingVerification = False,
+    before_apply: Callable[[], None] | None = None,
 ) -> dict[str, Any] | None:
     """Load a directory written by :func:`save_sharded_checkpoint`, on any world size and stage.
 
@@ -631,8 +653,13 @@ def load_sharded_checkpoint(
     Args:
         path: the checkpoint directory.
         optimizer: the optimizer to load into.
-        verified: the files were already checked against a directory manifest (ds-engine's);
-            the manifest's seal, bindings and coverage are still checked.
+        verified: the files were already checked against a directory manifest (ds-engine's),
+            or are being checked (a :class:`~ds_zero.PendingVerification`: its verdict is
+            waited for after the values are read and before any is written, see [Note:
+            verification overlapped with reading]); the manifest's seal, bindings and coverage
+            are still checked.
+        before_apply: called once the files are verified, before any value is written (the
+            caller's own writes that must precede the optimizer's go there).
 
     Returns:
         The ``client_state`` saved with the checkpoint, or None.
@@ -645,6 +672,10 @@ def load_sharded_checkpoint(
     """
     source = recover_directory(Path(path), MANIFEST) or Path(path)
     if (source / _METADATA).is_file() and not (source / MANIFEST).is_file():
+        if isinstance(verified, PendingVerification):
+            verified.wait()
+        if before_apply is not None:
+            before_apply()
         return _load_per_rank(source, optimizer)
     if _is_legacy(optimizer):
         raise CheckpointError(
@@ -652,10 +683,18 @@ def load_sharded_checkpoint(
             "groups (MoE experts) load only from the per-rank format they save"
         )
     _, _, pg = _topology(optimizer)
-    manifest = verify_checkpoint(source, group=pg, files=not verified)
+    pending = verified if isinstance(verified, PendingVerification) else None
+    manifest = verify_checkpoint(source, group=pg, files=not verified, pending=pending)
     reader = ShardReader(source, manifest)
+
+    def settle(failure: BaseException | None) -> None:
+        if pending is not None:
+            pending.wait([f"{source.name}: {failure}"] if failure is not None else [])
+        if failure is None and before_apply is not None:
+            before_apply()
+
     try:
-        _load_shards(optimizer, reader.lookup)
+        _load_shards(optimizer, SettlingLookup(reader.lookup, settle))
     finally:
         reader.close()
     restore_scalar_state(optimizer, load_file(source / _SCALARS))

@@ -155,18 +155,22 @@ def _save_atomic(obj: Any, path: Path) -> None:
 
 
 def iter_fp32_tensors(
-    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None
+    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None, verified: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, fp32 tensor)`` of a verified sharded checkpoint, one tensor at a time, in model
     order; tied aliases are left out (they name the same tensor). For loading weights into a
     model whose parameters are partitioned (ZeRO stage 3) without holding the whole model.
+    ``verified``: the caller checked the files already (against the engine folder's
+    ``ds_manifest.json``): they are not checksummed again; the zero manifest's seal, bindings and
+    coverage still are.
 
     Example:
         >>> for name, value in ds_zero.iter_fp32_tensors("ckpts", tag="global_step100"):
         ...     print(name, tuple(value.shape))
     """
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
-    _, tensors = checkpoint_tensors(source, _verified(source))
+    manifest = verify_checkpoint(source, files=False) if verified else _verified(source)
+    _, tensors = checkpoint_tensors(source, manifest)
     yield from tensors
 
 

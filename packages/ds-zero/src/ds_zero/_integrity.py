@@ -24,8 +24,19 @@ state) changed. ``manifest_crc32`` seals the manifest itself: an edited manifest
 
 Verification is collective: each rank checks a share of the files, every rank gets every rank's
 problems (one ``all_gather_object``) and all raise the same :class:`CheckpointError`, so no
-rank waits on one that failed. Nothing is unpickled before the check, so a broken file cannot
-crash a rank first.
+rank waits on one that failed.
+
+[Note: verification overlapped with reading]
+Checksumming a checkpoint costs about as much CPU as reading it, so done first it adds that to
+every load. :func:`start_verification` instead starts each rank's share of the checksums on
+threads (zlib releases the GIL) and returns; the loader meanwhile reads what it needs into
+memory of its own (the model file unpickled, the optimizer's ranges assembled into new
+tensors) and calls :meth:`PendingVerification.wait` before it writes any value into the model,
+the optimizer, the engine's counters or the RNG. A reading error met before the verdict is not
+raised on the spot (the other ranks would wait on this one): it is noted and told to every rank
+at the wait, with the checksums' verdict, which names the damaged file. Reading a damaged file
+runs no code (``weights_only``), so an early read is safe; only using its values is not.
+:func:`verify_directory` is the same check done at once.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import json
 import os
 import zlib
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -46,6 +57,7 @@ __all__ = [
     "DIRECTORY_MANIFEST",
     "CheckpointError",
     "ChunkedCrcWriter",
+    "PendingVerification",
     "agree",
     "check_seal",
     "file_problem",
@@ -54,6 +66,7 @@ __all__ = [
     "load_file",
     "read_json",
     "seal",
+    "start_verification",
     "verify_directory",
     "verify_files",
     "write_directory_manifest",
@@ -293,9 +306,12 @@ def _describe(names: Sequence[str], entries: Mapping[str, Any]) -> str:
     return ", ".join(shown) + more
 
 
-def file_problem(directory: Path, name: str, record: Mapping[str, Any]) -> str | None:
+def file_problem(
+    directory: Path, name: str, record: Mapping[str, Any], crcs: Sequence[int] | None = None
+) -> str | None:
     """What is wrong with file ``name`` of ``directory`` against its manifest record (None when
-    it matches): absent, truncated, or corrupted, naming the tensors whose bytes changed."""
+    it matches): absent, truncated, or corrupted, naming the tensors whose bytes changed.
+    ``crcs``: the file's chunk checksums when the caller computed them already."""
     path = directory / name
     if not path.is_file():
         return f"{name} absent"
@@ -309,8 +325,9 @@ def file_problem(directory: Path, name: str, record: Mapping[str, Any]) -> str |
         ):
             return None
     elif size == record["bytes"]:
-        crcs = _crc_ranges([(path, a, n) for a, n in _chunks(size)])
-        if crcs == list(record["crc32"]):
+        if crcs is None:
+            crcs = _crc_ranges([(path, a, n) for a, n in _chunks(size)])
+        if list(crcs) == list(record["crc32"]):
             return None
     entries = record.get("tensors", {})
     damaged = _damaged_tensors(path, record, size)
@@ -443,6 +460,123 @@ def read_directory_manifest(directory: Path) -> dict[str, Any]:
     )
 
 
+class PendingVerification:
+    """A checkpoint directory's checksums, running on threads while the loader reads (see
+    [Note: verification overlapped with reading]).
+
+    Made by :func:`start_verification`. :meth:`wait` is the verdict, collective over the group
+    (every rank calls it at the same point; all get the same answer); nothing read from the
+    directory may be used before the :meth:`wait` that covers its file returned.
+    """
+
+    def __init__(self, directory: Path, group: Any) -> None:
+        self.directory, self.group = directory, group
+        self.rank, self.world = _topology(group)
+        self.manifest: dict[str, Any] = {}
+        self._noted: list[str] = []
+        self._jobs: dict[str, list[Future[int]] | None] = {}
+        self._verdict: dict[str, Any] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        try:
+            self.manifest = read_directory_manifest(directory)
+        except CheckpointError as exc:
+            self._noted.append(str(exc))
+            return
+        files = self.manifest["files"]
+        mine = _share(files, self.rank, self.world)
+        self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ds-verify")
+        for name in mine:
+            self._jobs[name] = self._submit(name, files[name])
+
+    def _submit(self, name: str, record: Mapping[str, Any]) -> list[Future[int]] | None:
+        path = self.directory / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return None  # absent or unreadable: file_problem says which at wait()
+        if "crc32" not in record or size != record["bytes"]:
+            return None
+        assert self._pool is not None
+        return [self._pool.submit(_crc_range, path, a, n) for a, n in _chunks(size)]
+
+    def note(self, problem: str) -> None:
+        """Add a problem the loader met while reading (told to every rank at the next wait)."""
+        self._noted.append(problem)
+
+    def _problems(self) -> list[str]:
+        problems, self._noted = self._noted, []
+        files = self.manifest.get("files", {})
+        for name, jobs in self._jobs.items():
+            try:
+                crcs = [job.result() for job in jobs] if jobs is not None else None
+                problem = file_problem(self.directory, name, files[name], crcs)
+            except OSError as exc:
+                problem = f"{name} cannot be read: {exc}"
+            if problem is not None:
+                problems.append(problem)
+        if self.manifest and self.rank == 0:
+            extra = [n for n in _listing(self.directory) if n not in files]
+            problems += [
+                f"{n} is not in {DIRECTORY_MANIFEST} (added after the save)" for n in extra
+            ]
+        return problems
+
+    def wait(self, problems: Sequence[str] = ()) -> dict[str, Any]:
+        """Every rank's verdict on every file, plus ``problems`` the caller found while reading
+        (a collective; the first call decides and later calls return its manifest).
+
+        Returns:
+            The directory manifest.
+
+        Raises:
+            CheckpointError: on every rank, naming each file (and tensor) that is absent,
+                truncated, corrupted or not in the manifest.
+        """
+        if self._verdict is not None:  # decided: a later problem is this rank's own
+            if problems:
+                raise CheckpointError(_unusable(self.directory, list(problems)))
+            return self._verdict
+        mine = self._problems() + list(problems)
+        self._jobs = {}
+        found = list(dict.fromkeys(agree(mine, self.group)))
+        self.close()
+        if found:
+            if len(found) == 1 and found[0].startswith(("checkpoint ", str(self.directory))):
+                raise CheckpointError(found[0])
+            raise CheckpointError(_unusable(self.directory, found))
+        self._verdict = self.manifest
+        return self.manifest
+
+    def close(self) -> None:
+        """Stop the checksum threads (the verdict is no longer wanted)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> PendingVerification:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_verification(
+    directory: str | os.PathLike[str], *, group: Any = None
+) -> PendingVerification:
+    """Start checking a checkpoint directory against its ``ds_manifest.json`` on threads and
+    return at once, so the checksums overlap the loader's reads (see [Note: verification
+    overlapped with reading]). Each rank hashes a share of the files. Every rank must call
+    it, and then :meth:`~PendingVerification.wait` at the same points.
+
+    Example:
+        >>> with start_verification(path) as pending:
+        ...     state = torch.load(path / "model.pt", mmap=True)  # read, not used yet
+        ...     pending.wait()  # every rank's verdict
+        ...     model.load_state_dict(state)
+    """
+    return PendingVerification(Path(directory), group)
+
+
 def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:
     """Check every file of a checkpoint directory against its ``ds_manifest.json`` before
     anything is loaded (see [Note: checkpoint integrity]). Collective over ``group`` (every rank
@@ -458,22 +592,5 @@ def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) ->
     Example:
         >>> verify_directory("ckpts/global_step100")["files"].keys()
     """
-    source = Path(directory)
-    rank, world = _topology(group)
-    manifest: dict[str, Any] = {}
-    try:
-        manifest = read_directory_manifest(source)
-        problems = verify_files(source, manifest["files"], rank=rank, world_size=world)
-        if rank == 0:
-            extra = [n for n in _listing(source) if n not in manifest["files"]]
-            problems += [
-                f"{n} is not in {DIRECTORY_MANIFEST} (added after the save)" for n in extra
-            ]
-    except CheckpointError as exc:
-        problems = [str(exc)]
-    problems = list(dict.fromkeys(agree(problems, group)))
-    if problems:
-        if len(problems) == 1 and problems[0].startswith(("checkpoint ", str(source))):
-            raise CheckpointError(problems[0])
-        raise CheckpointError(_unusable(source, problems))
-    return manifest
+    with start_verification(directory, group=group) as pending:
+        return pending.wait()

@@ -29,7 +29,7 @@ mentions padding or partitions: a loader of any world size and stage asks for ra
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,14 @@ from ds_zero._integrity import (
     seal,
     write_json_atomic,
 )
+from ds_zero._shards import ShardLookup
 
 __all__ = [
     "FORMAT",
     "INDEX",
     "MANIFEST",
     "CheckpointError",
+    "SettlingLookup",
     "ShardReader",
     "binding_problems",
     "build_manifest",
@@ -305,6 +307,38 @@ class ShardReader:
     def close(self) -> None:
         """Drop the mapped files."""
         self._open.clear()
+
+
+class SettlingLookup:
+    """A shard lookup whose values may be read before the checkpoint's verdict but not used:
+    the optimizer assembles what it needs into tensors of its own, calls :meth:`settle`, and
+    only then writes them into its masters, state and parameters (see ds-zero's [Note:
+    verification overlapped with reading]). An optimizer that knows nothing of it is settled
+    before it is called.
+
+    Example:
+        >>> lookup = SettlingLookup(reader.lookup, pending_check)
+        >>> values = lookup("tok.weight", 0, 128)  # read
+        >>> lookup.settle()  # every rank's verdict; raises on every rank when the files differ
+    """
+
+    def __init__(self, lookup: ShardLookup, settle: Callable[[BaseException | None], None]) -> None:
+        self._lookup, self._settle, self.settled = lookup, settle, False
+
+    def __call__(self, name: str, start: int, stop: int) -> Mapping[str, torch.Tensor]:
+        return self._lookup(name, start, stop)
+
+    def settle(self, failure: BaseException | None = None) -> None:
+        """Wait for the verdict (once; a collective: every rank calls it at the same point).
+        ``failure``: what went wrong reading on this rank, told to every rank; it raises then."""
+        if self.settled:
+            if failure is not None:
+                raise failure
+            return
+        self.settled = True
+        self._settle(failure)
+        if failure is not None:
+            raise failure
 
 
 def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:

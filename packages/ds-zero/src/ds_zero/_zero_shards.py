@@ -120,47 +120,80 @@ def zero_load_checkpoint_shards(zero: ZeroOptimizer, lookup: ShardLookup) -> Non
     """Restore the fp32 masters (with ``load_from_fp32_weights``; else they are rebuilt from
     the model's weights) and the elementwise optimizer state from ``lookup``, then write the
     masters into the model's parameters. Scalar state (``step``, hyper-parameters) is the
-    caller's: it is not in the lookup."""
+    caller's: it is not in the lookup.
+
+    Everything is read into new tensors first; a lookup with a ``settle()`` (a
+    :class:`~ds_zero._manifest.SettlingLookup`, whose checkpoint is still being verified) is
+    settled before any value is written (see [Note: verification overlapped with reading])."""
     _check_supported(zero, lookup)
-    from_checkpoint = zero.config.load_from_fp32_weights
-    states: list[dict[str, torch.Tensor]] = []
+    settle = getattr(lookup, "settle", None)
+    try:
+        masters, states, frozen = _read_shards(zero, lookup)
+    except Exception as exc:
+        if settle is None:
+            raise
+        settle(exc)  # every rank hears of it; raises
+        raise
+    if settle is not None:
+        settle()
     with torch.no_grad():
-        for group, master in zip(zero.groups, zero.masters):
-            loaded = torch.zeros_like(master)
-            state: dict[str, torch.Tensor] = {}
-            keys: set[str] | None = None
-            for name, _, start, stop, at in _held_ranges(zero, group):
-                values = lookup(name, start, stop)
-                if "param" not in values:
-                    raise CheckpointError(
-                        f"tensor {name!r} has no 'param' values in the checkpoint"
-                    )
-                found = set(values) - {"param"}
-                if keys is not None and found != keys:
-                    raise CheckpointError(
-                        f"tensor {name!r} has optimizer state {sorted(found)} but other tensors "
-                        f"of its param group have {sorted(keys)}; the checkpoint is inconsistent"
-                    )
-                keys = found
-                loaded.narrow(0, at, stop - start).copy_(values["param"])
-                for key in found:
-                    target = state.setdefault(key, torch.zeros_like(master))
-                    target.narrow(0, at, stop - start).copy_(values[key])
-            if from_checkpoint:
+        for master, loaded in zip(zero.masters, masters):
+            if loaded is not None:
                 master.copy_(loaded)
-            states.append(state)
         _load_state(zero, states)
-        for name, p in _frozen(zero):
-            try:
-                values = lookup(name, 0, p.numel())
-            except CheckpointError:  # saved without it (it is the model's, not the optimizer's)
-                continue
-            p.copy_(values["param"].view(p.shape))
-        if from_checkpoint:
+        for p, value in frozen:
+            p.copy_(value)
+        if zero.config.load_from_fp32_weights:
             zero._publish()  # masters -> parameters, gathered across ranks
         else:
             zero.refresh_fp32_params()
     zero.reducer.zero()
+
+
+def _read_shards(
+    zero: ZeroOptimizer, lookup: ShardLookup
+) -> tuple[
+    list[torch.Tensor | None],
+    list[dict[str, torch.Tensor]],
+    list[tuple[torch.nn.Parameter, torch.Tensor]],
+]:
+    """This rank's ranges from ``lookup``, in new tensors: per master the loaded fp32 values
+    (None without ``load_from_fp32_weights``) and its elementwise state, and the frozen
+    parameters' values."""
+    from_checkpoint = zero.config.load_from_fp32_weights
+    masters: list[torch.Tensor | None] = []
+    states: list[dict[str, torch.Tensor]] = []
+    for group, master in zip(zero.groups, zero.masters):
+        loaded = torch.zeros_like(master) if from_checkpoint else None
+        state: dict[str, torch.Tensor] = {}
+        keys: set[str] | None = None
+        for name, _, start, stop, at in _held_ranges(zero, group):
+            values = lookup(name, start, stop)
+            if "param" not in values:
+                raise CheckpointError(f"tensor {name!r} has no 'param' values in the checkpoint")
+            found = set(values) - {"param"}
+            if keys is not None and found != keys:
+                raise CheckpointError(
+                    f"tensor {name!r} has optimizer state {sorted(found)} but other tensors "
+                    f"of its param group have {sorted(keys)}; the checkpoint is inconsistent"
+                )
+            keys = found
+            if loaded is not None:
+                loaded.narrow(0, at, stop - start).copy_(values["param"])
+            for key in found:
+                if key not in state:  # one buffer per value, not one per range
+                    state[key] = torch.zeros_like(master)
+                state[key].narrow(0, at, stop - start).copy_(values[key])
+        masters.append(loaded)
+        states.append(state)
+    frozen = []
+    for name, p in _frozen(zero):
+        try:
+            values = lookup(name, 0, p.numel())
+        except CheckpointError:  # saved without it (it is the model's, not the optimizer's)
+            continue
+        frozen.append((p, values["param"].view(p.shape)))
+    return masters, states, frozen
 
 
 def _load_state(zero: ZeroOptimizer, states: list[dict[str, torch.Tensor]]) -> None:
