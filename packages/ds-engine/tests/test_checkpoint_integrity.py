@@ -126,6 +126,10 @@ def test_every_corruption_of_every_file_is_refused_naming_the_file(
             table.append((kind, file, message.splitlines()[-1].strip()[:90]))
             shutil.rmtree(root)
     print("\n".join(" | ".join(row) for row in table))
+    print(
+        f"corruption matrix: {len(table)} cases ({len(KINDS)} kinds x {len(files)} files), "
+        "every one refused naming the file"
+    )
 
 
 def test_a_flipped_tensor_byte_names_the_tensor(saved: Path, tmp_path: Path) -> None:
@@ -288,6 +292,46 @@ def test_every_load_path_refuses_on_every_rank(saved: Path, tmp_path: Path) -> N
     for message in results[0]:
         assert "rng_state_rank00001.pt corrupted" in message
         assert "mp_rank_00_model_states.pt corrupted" in message
+
+
+def _zero_shard_body(rank: int, world_size: int, *, root: str) -> str:
+    """A full load (the optimizer's ranges are read while the checksums run, see ds-zero's
+    [Note: verification overlapped with reading]) of a checkpoint with one corrupted zero shard:
+    every rank refuses, and nothing (weights, fp32 masters, optimizer state, counters) changed."""
+    from ds_zero import CheckpointError
+
+    engine = _engine(seed=5)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    masters = [m.detach().clone() for m in engine.optimizer.masters]
+    inner = engine.optimizer.optimizer
+    state = {id(k): {n: torch.clone(x) for n, x in v.items()} for k, v in inner.state.items()}
+    try:
+        engine.load_checkpoint(root, tag=TAG)
+    except CheckpointError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a corrupted zero shard was loaded")
+    for n, p in engine.module.named_parameters():
+        assert torch.equal(p, params[n]), f"{n} changed before the check refused"
+    for old, new in zip(masters, engine.optimizer.masters):
+        assert torch.equal(old, new), "an fp32 master changed before the check refused"
+    assert set(state) == {id(k) for k in inner.state}
+    for k, v in inner.state.items():
+        for n, x in v.items():
+            assert torch.equal(torch.as_tensor(x), torch.as_tensor(state[id(k)][n])), n
+    assert engine.global_steps == 0
+    return message
+
+
+def test_a_corrupted_zero_shard_is_refused_before_anything_is_written(
+    saved: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    _flip(root / TAG / "zero" / "zero_shards_rank00001.pt")
+    results = run_on_ranks(_zero_shard_body, 2, root=str(root), timeout=300)
+    assert results[0] == results[1]  # the same verdict on every rank
+    assert "zero/zero_shards_rank00001.pt corrupted" in results[0], results[0]
 
 
 def test_zero_to_fp32_refuses_a_corrupted_engine_checkpoint(saved: Path, tmp_path: Path) -> None:

@@ -186,3 +186,23 @@ def test_checkpoint_round_trips_each_ranks_experts(stage: int, tmp_path: Path) -
     assert results == [expected, expected]
     model_state = torch.load(tmp_path / "t3" / "mp_rank_00_model_states.pt", weights_only=True)
     assert not any("deepspeed_experts" in k for k in model_state["module"])
+    _assert_manifest_covers(tmp_path / "t3", expected[-1])
+
+
+def _assert_manifest_covers(folder: Path, name: str) -> None:
+    """Every file of the saved folder is in its ds_manifest.json, and a flipped byte in
+    ``name`` is refused naming it (issue 24: layer and expert files are covered too)."""
+    import json
+
+    from ds_zero import CheckpointError, verify_directory
+
+    listed = set(json.loads((folder / "ds_manifest.json").read_text())["files"])
+    on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    assert listed == on_disk - {"ds_manifest.json"}
+    verify_directory(folder)
+    path = folder / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{name} corrupted"):
+        verify_directory(folder)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -258,6 +259,7 @@ def test_checkpoint_roundtrip_resumes_training_exactly(tmp_path: Any, zero_stage
     assert "layer_00-model_states.pt" in files and "layer_05-model_states.pt" in files
     assert "pp_rank_01_dp_rank_00_states.pt" in files
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    _assert_manifest_covers(tmp_path / "ckpt" / "global_step2", "layer_05-model_states.pt")
 
 
 def test_deepspeed_pipe_namespace() -> None:
@@ -270,3 +272,22 @@ def test_deepspeed_pipe_namespace() -> None:
     # The class of what initialize() returns for a PipelineModule (DeepSpeed's PipelineEngine).
     assert pipe.PipelineEngine is importlib.import_module("ds_engine._pipe").PipelineDeepSpeedEngine
     assert pipe.PipeModelDataParallelTopology is ds_comm.PipeModelDataParallelTopology
+
+
+def _assert_manifest_covers(folder: Path, name: str) -> None:
+    """Every file of the saved folder is in its ds_manifest.json, and a flipped byte in
+    ``name`` is refused naming it (issue 24: layer and expert files are covered too)."""
+    import json
+
+    from ds_zero import CheckpointError, verify_directory
+
+    listed = set(json.loads((folder / "ds_manifest.json").read_text())["files"])
+    on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    assert listed == on_disk - {"ds_manifest.json"}
+    verify_directory(folder)
+    path = folder / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{name} corrupted"):
+        verify_directory(folder)

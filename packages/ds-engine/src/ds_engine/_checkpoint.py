@@ -17,7 +17,10 @@ uses the newest complete copy with a warning, and the next save puts it back fir
 Loading verifies the whole directory against ``ds_manifest.json`` before any value is used
 (every load path: full, ``load_module_only``, ``load_optimizer_states=False``, and the pipeline
 engine's), each rank checking a share of the files, every rank raising the same error naming
-the file and tensor. Every file read names the file when it is absent or unreadable.
+the file and tensor. The checksums run on threads while the model file and the optimizer's
+ranges are read into memory of the loader's own; the verdict is waited for before anything is
+written (ds-zero's [Note: verification overlapped with reading]). Every file read names the
+file when it is absent or unreadable.
 
 [Note: weights-only checkpoints]
 Everything is loaded with ``torch.load(weights_only=True)``: a file can hold tensors and plain
@@ -47,6 +50,7 @@ from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import (
     CheckpointError,
     GatheredParameters,
+    PendingVerification,
     Stage3Optimizer,
     ZeroOptimizer,
     iter_fp32_tensors,
@@ -56,6 +60,7 @@ from ds_zero import (
     repair_directory,
     replace_dir,
     save_sharded_checkpoint,
+    start_verification,
     verify_directory,
     write_directory_manifest,
     write_recovery_script,
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_client_state",
     "load_checkpoint",
+    "locate_checkpoint",
     "resolve_checkpoint",
     "save_16bit_model",
     "save_checkpoint",
@@ -250,6 +256,14 @@ def resolve_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> Pat
     ``ds_manifest.json`` (collective: every rank must call it); None when there is no ``latest``;
     an error naming the path when no complete copy of the directory exists (see [Note:
     checkpoint layout and crash safety])."""
+    path = locate_checkpoint(load_dir, tag)
+    if path is not None:
+        verify_directory(path)
+    return path
+
+
+def locate_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
+    """:func:`resolve_checkpoint` without the verification (the caller starts it)."""
     root = Path(load_dir)
     if tag is None:
         latest = root / _LATEST
@@ -265,7 +279,6 @@ def resolve_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> Pat
             f"{named.with_name('.' + named.name + '.old').name}"
         )
     _check_same_tag(str(tag))
-    verify_directory(path)
     return path
 
 
@@ -377,13 +390,23 @@ def _load_module(
         )
 
 
+def _read_model_file(pending: PendingVerification, path: Path) -> dict[str, Any]:
+    """The model file, read while the checksums run; a reading error is noted for the verdict
+    (every rank hears of it) instead of raised here."""
+    try:
+        return load_file(path)
+    except CheckpointError as exc:
+        pending.note(str(exc))
+        return {}
+
+
 def _load_weights_from_shards(engine: DeepSpeedEngine, zero_dir: Path) -> None:
     """The module's weights from a sharded checkpoint's fp32 masters, one tensor at a time (a
     partitioned parameter is gathered, set and re-partitioned; every rank reads the same
     values, so nothing else is communicated)."""
     params = dict(engine.module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for name, value in iter_fp32_tensors(zero_dir):
+        for name, value in iter_fp32_tensors(zero_dir, verified=True):
             param = params.get(name)
             if param is None:
                 continue  # a buffer: the model file held it
@@ -428,28 +451,39 @@ def load_checkpoint(
             module_only=module_only,
             custom_load_fn=custom_load_fn,
         )
-    path = resolve_checkpoint(load_dir, tag)
+    path = locate_checkpoint(load_dir, tag)
     if path is None:
         engine.progress.write(f"no 'latest' file in {load_dir}: nothing to load")
         return None, None
-    model_file = path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
-    state = load_file(model_file)
-    # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).
-    partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
-    _load_module(engine, path, state["module"], strict, partitioned, custom_load_fn)
-    optimizer = engine.optimizer
-    from_shards = optimizer_states and isinstance(optimizer, _ZERO)
-    if partitioned and not (
-        from_shards and engine._config.zero_optimization.load_from_fp32_weights
-    ):
-        _load_weights_from_shards(engine, path / _zero_dir(engine))
-    if from_shards:  # the files were verified with the directory
-        load_sharded_checkpoint(path / _zero_dir(engine), optimizer, verified=True)
-    elif optimizer_states and optimizer is not None:
-        optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
-        optimizer.load_state_dict(load_file(optim_file))
-    elif isinstance(optimizer, _ZERO):
-        optimizer.refresh_fp32_params()  # the fp32 masters from the loaded weights
+    # Checksums on threads while the files are read; nothing is written before the verdict
+    # (see ds-zero's [Note: verification overlapped with reading]).
+    with start_verification(path) as pending:
+        state = _read_model_file(pending, path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt")
+        optimizer = engine.optimizer
+        from_shards = optimizer_states and isinstance(optimizer, _ZERO)
+        if not from_shards:
+            pending.wait()
+        # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).
+        partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
+
+        def load_module() -> None:
+            _load_module(engine, path, state["module"], strict, partitioned, custom_load_fn)
+            if partitioned and not (
+                from_shards and engine._config.zero_optimization.load_from_fp32_weights
+            ):
+                _load_weights_from_shards(engine, path / _zero_dir(engine))
+
+        if from_shards:  # read, then the verdict, then the module, then the optimizer
+            load_sharded_checkpoint(
+                path / _zero_dir(engine), optimizer, verified=pending, before_apply=load_module
+            )
+        else:
+            load_module()
+            if optimizer_states and optimizer is not None:
+                optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
+                optimizer.load_state_dict(load_file(optim_file))
+            elif isinstance(optimizer, _ZERO):
+                optimizer.refresh_fp32_params()  # the fp32 masters from the loaded weights
     if module_only:
         return str(path), state["client_state"]
     if lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"]:
