@@ -93,15 +93,14 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
     assert set(NOT_IMPLEMENTED) <= set(EVERY_KEY)
     assert cfg.tensorboard.output_path == "runs" and not cfg.monitor_config.enabled
     assert cfg.unimplemented.autotuning.metric == "latency"
-    assert cfg.unimplemented.flops_profiler.profile_step == 5
-    assert cfg.unimplemented.flops_profiler.module_depth == -1  # DeepSpeed's default
+    assert cfg.flops_profiler.profile_step == 5
+    assert cfg.flops_profiler.module_depth == -1  # DeepSpeed's default
     assert cfg.log_level == "info" and cfg.zero_force_ds_cpu_optimizer is True
 
 
 @pytest.mark.parametrize(
     ("key", "value", "feature"),
     [
-        ("flops_profiler", {"enabled": True}, "FLOPS profiler"),
         ("sequence_parallel_size", 2, "sequence parallelism"),
         ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism"),
         ("elasticity", {"enabled": True}, "elastic training"),
@@ -549,6 +548,12 @@ def test_the_schema_lists_every_accepted_key() -> None:
     checkpoint = props["checkpoint"]["properties"]
     assert checkpoint["parallel_write"] == {} and checkpoint["tag_validation"]["type"] == "string"
     assert props["data_types"]["properties"]["keep_in_fp32_modules"] == {}  # "auto" or a list
-    assert set(props["flops_profiler"]["properties"]) == set(
-        NOT_IMPLEMENTED["flops_profiler"].default
-    )
+    assert set(props["flops_profiler"]["properties"]) == {
+        "enabled",
+        "recompute_fwd_factor",
+        "profile_step",
+        "module_depth",
+        "top_modules",
+        "detailed",
+        "output_file",
+    }

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ds_testing import run_on_ranks
+
 
 def test_wall_clock_timers() -> None:
     from ds_engine.utils.timer import SynchronizedWallClockTimer, trim_mean
@@ -99,3 +101,64 @@ def test_recursive_attributes() -> None:
     assert model[0][0] is new
     recursive_setattr(model, "extra", torch.nn.ReLU())
     assert isinstance(model.extra, torch.nn.ReLU)
+
+
+def _breakdown_body(rank: int, world_size: int, stage: int) -> dict:
+    import contextlib
+    import io
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _engine_testing import config, loss_of, make_dataset, make_mlp
+
+    import ds_engine
+
+    stdout = io.StringIO()
+    cfg = config(
+        wall_clock_breakdown=True,
+        steps_per_print=2,
+        gradient_accumulation_steps=2,
+        zero_optimization={"stage": stage},
+    )
+    with contextlib.redirect_stdout(stdout):
+        engine, *_ = ds_engine.initialize(model=make_mlp(), config=cfg)
+        data = make_dataset(32)
+        for micro in range(8):  # 4 optimizer steps of 2 micro-batches
+            batch = [t[4 * micro : 4 * micro + 4] for t in data.tensors]
+            engine.backward(loss_of(engine, batch))
+            engine.step()
+    return {"timers": engine.get_wall_clock_timers(), "stdout": stdout.getvalue()}
+
+
+NAMES = {
+    "micro": [
+        "fwd_microstep",
+        "bwd_microstep",
+        "bwd_inner_microstep",
+        "bwd_allreduce_microstep",
+        "step_microstep",
+    ],
+    "global": ["fwd", "bwd", "bwd_inner", "bwd_allreduce", "step"],
+    "optimizer": ["optimizer_gradients", "optimizer_step", "optimizer_allgather"],
+}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_wall_clock_breakdown_reports_every_timer_on_two_ranks(stage: int) -> None:
+    outputs = run_on_ranks(_breakdown_body, 2, stage, timeout=300)
+    every = [name for names in NAMES.values() for name in names]
+    for out in outputs:
+        timers = out["timers"]
+        assert sorted(timers) == sorted(every)
+        assert all(timers[name] > 0.0 for name in every), timers
+        # the parts add up to the whole (the same two marks bound both)
+        assert timers["bwd"] == pytest.approx(timers["bwd_inner"] + timers["bwd_allreduce"])
+        phases = sum(timers[n] for n in NAMES["optimizer"])
+        assert 0 < phases <= timers["step"]
+    lines = [ln for ln in outputs[0]["stdout"].splitlines() if ln.startswith("time (ms) | ")]
+    assert len(lines) == 6  # micro, global and optimizer lines at steps 2 and 4
+    for line, names in zip(lines[:3], NAMES.values()):
+        assert [part.split(":")[0] for part in line.split(" | ")[1:]] == names
+        assert all(float(part.split(": ")[1]) >= 0 for part in line.split(" | ")[1:]), line
+    assert "time (ms)" not in outputs[1]["stdout"]  # printed on rank 0 only

@@ -182,18 +182,6 @@ _REMOVED = "DeepSpeed 0.19 removed it too (https://github.com/deepspeedai/DeepSp
 # DeepSpeed 0.19's top-level keys for features ds does not implement, with DeepSpeed's defaults
 # (read from deepspeed/runtime/config.py and the section config models).
 NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
-    "flops_profiler": NotImplementedFeature(
-        "the FLOPS profiler",
-        {
-            "enabled": False,
-            "recompute_fwd_factor": 0.0,
-            "profile_step": 1,
-            "module_depth": -1,
-            "top_modules": 1,
-            "detailed": True,
-            "output_file": None,
-        },
-    ),
     "autotuning": NotImplementedFeature(
         "the autotuner",
         {

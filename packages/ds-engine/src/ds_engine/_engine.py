@@ -26,6 +26,7 @@ from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
 from ds_engine._build import build_client_optimizer, build_gradient_step, build_scheduler
 from ds_engine._engine_surface import EngineSurface
+from ds_engine._flops_engine import EngineFlopsProfile
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
 from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
 from ds_engine._monitor import build_monitor
@@ -36,8 +37,9 @@ from ds_engine._placement import (
     engine_device,
     move_module,
 )
-from ds_engine._progress import Progress, Timers, numerics_table
+from ds_engine._progress import Progress, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
+from ds_engine.utils.timer import EngineTimers
 from ds_optim import GradientStep, build_loss_scaler
 from ds_zero import MemoryBreakdown
 
@@ -120,7 +122,9 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         self._step_applied = False
         self._boundary: bool | None = None
         self._losses: list[torch.Tensor] = []
-        self.timers = Timers(config.wall_clock_breakdown)
+        self.timers = EngineTimers(config.wall_clock_breakdown)
+        self._flops = EngineFlopsProfile(self, config.flops_profiler)
+        self.flops_profiler = self._flops.profiler  # DeepSpeed's attribute (None: disabled)
         self.progress = Progress(rank=self.global_rank, steps_per_print=config.steps_per_print)
         self.monitor = build_monitor(config, rank=self.global_rank)
         self.training_dataloader: DeepSpeedDataLoader | None = None
@@ -201,7 +205,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
-        with self.timers("forward"):
+        with self._flops.forward(self.global_steps), self.timers.forward():
             return self.module(*inputs, **kwargs)
 
     def _require_optimizer(self) -> Any:
@@ -230,7 +234,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
             )
         self._losses.append(loss.detach())
         gas = self._config.gradient_accumulation_steps
-        with self.timers("backward"):
+        with self.timers.backward(loss):
             # The optimizer divides by the accumulation steps; undo that when not wanted.
             optimizer.backward(loss if scale_wrt_gas else loss * gas, retain_graph=retain_graph)
         return loss / gas if scale_wrt_gas else loss
@@ -278,8 +282,9 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         ``lr_kwargs`` as keyword arguments of its ``step``). The gradient step keeps the window
         and says what it did (a :class:`ds_optim.StepResult`)."""
         optimizer = self._require_optimizer()
-        with self.timers("step"):
+        with self.timers.step(getattr(optimizer, "optimizer", None)):
             result = optimizer.step()
+        self.timers.update_cache()
         self.micro_steps += 1
         self._step_applied = result.applied
         if not result.boundary:
@@ -295,6 +300,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
             )
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._flops.step_done(self.global_steps - 1, self.global_steps)
         self._report()
 
     def was_step_applied(self) -> bool:
@@ -308,15 +314,17 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
             loss = float(torch.stack([x.float() for x in self._losses]).mean())
             self._losses.clear()
         printing = self.global_steps % self._config.steps_per_print == 0
-        timers = self.timers.summary(self._config.steps_per_print) if printing else ""
         lr = self.get_lr()
         self.progress.update(
             step=self.global_steps,
             samples=self.global_samples,
             loss=loss,
             lr=lr[0] if lr else 0.0,
-            timers=timers,
+            timers="",
         )
+        if printing:  # DeepSpeed's breakdown lines (wall_clock_breakdown)
+            for line in self.timers.report(int(self._config.steps_per_print)):
+                self.progress.write(line)
         if self._config.memory_breakdown and printing:
             self.progress.write(f"memory: {self.memory_usage()}")
         if self.monitor.enabled:

@@ -52,6 +52,7 @@ from ds_engine._config_sections import (
     DataTypesConfig,
 )
 from ds_engine._config_triad import batch_key, check_triad, complete_triad
+from ds_engine._flops_config import FlopsProfilerConfig
 from ds_engine._optional import require
 from ds_optim import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig
 from ds_zero import ZeroConfig
@@ -80,6 +81,7 @@ _SECTIONS: dict[str, Any] = {
     "wandb": WandbConfig,
     "csv_monitor": CsvMonitorConfig,
     "comet": CometConfig,
+    "flops_profiler": FlopsProfilerConfig,
 }
 # DeepSpeed accepts "bfloat16" as an alias of "bf16".
 _ALIASES = {"bfloat16": "bf16"}
@@ -141,9 +143,11 @@ class DeepSpeedConfig(Mapping[str, Any]):
         data_types: the ``data_types`` section (buffer dtype, fp32-kept modules).
         activation_checkpointing: the section ``deepspeed.checkpointing.configure`` reads.
         tensorboard, wandb, csv_monitor, comet: the monitor sections (``engine.monitor``).
+        flops_profiler: the ``flops_profiler`` section (``engine.flops_profiler``).
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
         steps_per_print: print a progress line every this many optimizer steps (``inf``: never).
-        wall_clock_breakdown: time forward, backward and step and print them.
+        wall_clock_breakdown: time forward, backward (autograd, reductions), step and the
+            optimizer's phases and print them with DeepSpeed's names (docs/profiling.md).
         prescale_gradients: divide gradients by the data-parallel size before the reduction
             (``gradient_predivide_factor`` is then ignored, as in DeepSpeed).
         gradient_predivide_factor: without ``prescale_gradients``, gradients are divided by
@@ -187,6 +191,7 @@ class DeepSpeedConfig(Mapping[str, Any]):
     wandb: WandbConfig = field(default_factory=WandbConfig)
     csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
     comet: CometConfig = field(default_factory=CometConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     gradient_clipping: float = 1.0
     steps_per_print: int | float = 10
     wall_clock_breakdown: bool = False

@@ -1,5 +1,4 @@
-"""``deepspeed.profiling``: ``profiling.flops_profiler`` (not implemented in ds: its names are
-importable and refuse use with a clear error)."""
+"""``deepspeed.profiling``: ``profiling.flops_profiler``, the FLOPs profiler."""
 
 from __future__ import annotations
 

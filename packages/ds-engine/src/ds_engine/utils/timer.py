@@ -8,23 +8,38 @@ accelerator events instead and read them when the elapsed time is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+from torch.autograd import Variable
 
 from ds_comm.accelerator import get_accelerator
 from ds_engine.utils.logging import logger, print_dist
 
 __all__ = [
+    # DeepSpeed's timer names
     "BACKWARD_GLOBAL_TIMER",
+    "BACKWARD_INNER_GLOBAL_TIMER",
+    "BACKWARD_INNER_MICRO_TIMER",
     "BACKWARD_MICRO_TIMER",
+    "BACKWARD_REDUCE_GLOBAL_TIMER",
+    "BACKWARD_REDUCE_MICRO_TIMER",
     "FORWARD_GLOBAL_TIMER",
     "FORWARD_MICRO_TIMER",
+    "OPTIMIZER_ALLGATHER_TIMER",
+    "OPTIMIZER_GRADIENTS_TIMER",
+    "OPTIMIZER_STEP_TIMER",
+    "OPTIMIZER_TIMERS",
     "STEP_GLOBAL_TIMER",
     "STEP_MICRO_TIMER",
+    # timers
+    "EngineTimers",
     "NoopTimer",
     "SynchronizedWallClockTimer",
     "ThroughputTimer",
+    "timer_mark",
     "trim_mean",
 ]
 
@@ -32,8 +47,17 @@ FORWARD_MICRO_TIMER = "fwd_microstep"
 FORWARD_GLOBAL_TIMER = "fwd"
 BACKWARD_MICRO_TIMER = "bwd_microstep"
 BACKWARD_GLOBAL_TIMER = "bwd"
+BACKWARD_INNER_MICRO_TIMER = "bwd_inner_microstep"
+BACKWARD_INNER_GLOBAL_TIMER = "bwd_inner"
+BACKWARD_REDUCE_MICRO_TIMER = "bwd_allreduce_microstep"
+BACKWARD_REDUCE_GLOBAL_TIMER = "bwd_allreduce"
 STEP_MICRO_TIMER = "step_microstep"
 STEP_GLOBAL_TIMER = "step"
+# The ZeRO optimizer's phases of a step (DeepSpeed's stage_1_and_2 names).
+OPTIMIZER_GRADIENTS_TIMER = "optimizer_gradients"
+OPTIMIZER_STEP_TIMER = "optimizer_step"
+OPTIMIZER_ALLGATHER_TIMER = "optimizer_allgather"
+OPTIMIZER_TIMERS = [OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_GRADIENTS_TIMER, OPTIMIZER_STEP_TIMER]
 _EPSILON = 1e-6
 _GIB = 1024**3
 
@@ -48,6 +72,20 @@ def trim_mean(data: Sequence[float], trim_percent: float) -> float:
     k = round(len(ordered) * trim_percent)
     kept = ordered[k : len(ordered) - k] or ordered
     return sum(kept) / len(kept)
+
+
+def timer_mark(use_host_timer: bool | None = None) -> Any:
+    """A point in time two of which make an interval for :meth:`SynchronizedWallClockTimer.Timer.add_interval`:
+    the host clock after synchronizing the accelerator, or a recorded accelerator event when the
+    accelerator times on the device (``use_host_timers()`` False, e.g. CUDA)."""
+    acc = get_accelerator()
+    host = acc.use_host_timers() if use_host_timer is None else use_host_timer
+    if host:
+        acc.synchronize()
+        return time.perf_counter()
+    event = acc.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class SynchronizedWallClockTimer:
@@ -96,6 +134,13 @@ class SynchronizedWallClockTimer:
                 end.record()
                 self._intervals.append((self._start, end))
             self.started_ = False
+
+        def add_interval(self, start: Any, end: Any) -> None:
+            """Add the interval between two :func:`timer_mark` readings (an interval whose
+            marks were taken elsewhere, e.g. inside an autograd or optimizer hook)."""
+            if isinstance(start, float) != isinstance(end, float):
+                raise TypeError(f"timer {self.name_!r}: marks of different kinds")
+            self._intervals.append(end - start if isinstance(start, float) else (start, end))
 
         def _records(self) -> list[float]:
             out = []
@@ -311,3 +356,185 @@ class ThroughputTimer:
         if self.global_step_count > 0 and counted > 0 and self.total_elapsed_time > 0:
             return self.batch_size / (self.total_elapsed_time / counted)
         return float("-inf")
+
+
+class EngineTimers:
+    """The engine's ``wall_clock_breakdown``: DeepSpeed's timer names, measured around the
+    engine's calls (see [Note: the engine's timer breakdown]).
+
+    [Note: the engine's timer breakdown]
+    ``forward``, ``backward`` and ``step`` are timed around the engine's calls into the module
+    and the gradient step, each as a micro-step timer (``fwd_microstep``) and a global one
+    (``fwd``). Backward is split where autograd finishes: a hook on the loss queues an autograd
+    callback that runs once the whole graph has been differentiated, and the mark taken there
+    ends ``bwd_inner`` and starts ``bwd_allreduce`` (the gradient reductions still in flight
+    when autograd returns: the bucket flushes and waits). The optimizer's phases come from step
+    pre/post hooks on the wrapped torch optimizer: ``optimizer_gradients`` (flush, global norm,
+    unscale and clip) until its first ``step``, ``optimizer_step`` until its last (a sliced
+    step calls it several times), ``optimizer_allgather`` (publishing the updated partitions
+    into the parameters) after it. Marks are accelerator events where the accelerator times on
+    the device, host clock readings after a synchronize otherwise (:func:`timer_mark`).
+
+    Args:
+        enabled: ``wall_clock_breakdown``; disabled, every method is nearly free.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.timers: Any = SynchronizedWallClockTimer() if enabled else NoopTimer()
+        self.micro_timers = [
+            FORWARD_MICRO_TIMER,
+            BACKWARD_MICRO_TIMER,
+            BACKWARD_INNER_MICRO_TIMER,
+            BACKWARD_REDUCE_MICRO_TIMER,
+            STEP_MICRO_TIMER,
+        ]
+        self.global_timers = [
+            FORWARD_GLOBAL_TIMER,
+            BACKWARD_GLOBAL_TIMER,
+            BACKWARD_INNER_GLOBAL_TIMER,
+            BACKWARD_REDUCE_GLOBAL_TIMER,
+            STEP_GLOBAL_TIMER,
+        ]
+        self.optimizer_timers = [
+            OPTIMIZER_GRADIENTS_TIMER,
+            OPTIMIZER_STEP_TIMER,
+            OPTIMIZER_ALLGATHER_TIMER,
+        ]
+        self.cache: dict[str, float] = {}
+        self._micro_steps = 0
+        self._global_steps = 0
+        self._at_boundary: dict[str, float] = {}  # fwd/bwd/step ms at the last optimizer step
+        self._last_step: dict[str, float] = {}  # ... and within it
+
+    def active_timers(self) -> list[str]:
+        """Every timer name the engine fills (empty when disabled)."""
+        if not self.enabled:
+            return []
+        return self.micro_timers + self.global_timers + self.optimizer_timers
+
+    def _add(self, names: Iterable[str], start: Any, end: Any) -> None:
+        for name in names:
+            self.timers(name).add_interval(start, end)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Time the module's forward (``fwd_microstep``, ``fwd``)."""
+        if not self.enabled:
+            yield
+            return
+        start = timer_mark()
+        try:
+            yield
+        finally:
+            self._add((FORWARD_MICRO_TIMER, FORWARD_GLOBAL_TIMER), start, timer_mark())
+
+    @contextlib.contextmanager
+    def backward(self, loss: Any) -> Iterator[None]:
+        """Time backward: ``bwd``, split into ``bwd_inner`` (autograd) and ``bwd_allreduce``."""
+        if not self.enabled:
+            yield
+            return
+        autograd_done: list[Any] = []
+
+        def on_loss_grad(grad: Any) -> None:
+            def mark() -> None:
+                autograd_done.append(timer_mark())
+
+            Variable._execution_engine.queue_callback(mark)  # pyright: ignore[reportAttributeAccessIssue]  (torch's private engine handle)
+
+        handle = loss.register_hook(on_loss_grad) if getattr(loss, "requires_grad", False) else None
+        start = timer_mark()
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+            end = timer_mark()
+            split = autograd_done[0] if autograd_done else end
+            self._add((BACKWARD_MICRO_TIMER, BACKWARD_GLOBAL_TIMER), start, end)
+            self._add((BACKWARD_INNER_MICRO_TIMER, BACKWARD_INNER_GLOBAL_TIMER), start, split)
+            self._add((BACKWARD_REDUCE_MICRO_TIMER, BACKWARD_REDUCE_GLOBAL_TIMER), split, end)
+
+    @contextlib.contextmanager
+    def step(self, optimizer: Any) -> Iterator[None]:
+        """Time the gradient step (``step``) and, when the wrapped torch ``optimizer`` steps
+        inside it, its phases (``optimizer_gradients``, ``optimizer_step``,
+        ``optimizer_allgather``)."""
+        if not self.enabled:
+            yield
+            return
+        marks: list[Any] = []
+        handles = []
+        if hasattr(optimizer, "register_step_pre_hook"):
+            handles = [
+                optimizer.register_step_pre_hook(lambda *_: marks.append(("pre", timer_mark()))),
+                optimizer.register_step_post_hook(lambda *_: marks.append(("post", timer_mark()))),
+            ]
+        start = timer_mark()
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            end = timer_mark()
+            self._add((STEP_MICRO_TIMER, STEP_GLOBAL_TIMER), start, end)
+            self._micro_steps += 1
+            self._add_optimizer_phases(start, marks, end)
+
+    def _add_optimizer_phases(self, start: Any, marks: list[tuple[str, Any]], end: Any) -> None:
+        pre = [m for kind, m in marks if kind == "pre"]
+        post = [m for kind, m in marks if kind == "post"]
+        if not pre or not post:
+            return  # off the accumulation boundary (or skipped for overflow): no optimizer step
+        self._global_steps += 1
+        self._add((OPTIMIZER_GRADIENTS_TIMER,), start, pre[0])
+        self._add((OPTIMIZER_STEP_TIMER,), pre[0], post[-1])
+        self._add((OPTIMIZER_ALLGATHER_TIMER,), post[-1], end)
+        totals = self._global_totals()
+        self._last_step = {n: totals[n] - self._at_boundary.get(n, 0.0) for n in totals}
+        self._at_boundary = totals
+
+    def _global_totals(self) -> dict[str, float]:
+        names = (FORWARD_GLOBAL_TIMER, BACKWARD_GLOBAL_TIMER, STEP_GLOBAL_TIMER)
+        return {n: self.timers(n).elapsed(reset=False) for n in names}
+
+    def global_seconds(self) -> dict[str, float]:
+        """Seconds in ``fwd``, ``bwd`` and ``step`` of the last optimizer step (all its
+        micro-batches; the FLOPS profiler's latencies); empty before the first."""
+        return {n: ms / 1000.0 for n, ms in self._last_step.items()}
+
+    def update_cache(self) -> None:
+        """Refresh :meth:`snapshot_ms` (milliseconds accumulated since the last report)."""
+        timers = self.timers.get_timers()
+        self.cache = {
+            n: timers[n].elapsed(reset=False) for n in self.active_timers() if n in timers
+        }
+
+    def snapshot_ms(self) -> dict[str, float]:
+        """Every timer's milliseconds since the last report, as of the last ``step()``
+        (DeepSpeed's ``get_wall_clock_timers()``; empty when disabled)."""
+        return dict(self.cache)
+
+    def report(self, optimizer_steps: int) -> list[str]:
+        """The breakdown lines (``time (ms) | fwd_microstep: ...``), means per micro-step for
+        the micro timers and per optimizer step for the others over the steps since the last
+        report; resets every timer."""
+        if not self.enabled:
+            return []
+        timers = self.timers.get_timers()
+        micro = max(self._micro_steps, 1)
+        steps = max(optimizer_steps, 1)
+        lines = []
+        for names, per in (
+            (self.micro_timers, micro),
+            (self.global_timers, steps),
+            (self.optimizer_timers, steps),
+        ):
+            present = [n for n in names if n in timers]
+            if present:
+                values = (f"{n}: {timers[n].elapsed(reset=True) / per:.2f}" for n in present)
+                lines.append("time (ms) | " + " | ".join(values))
+        self._micro_steps = self._global_steps = 0
+        self._at_boundary = {}
+        return lines

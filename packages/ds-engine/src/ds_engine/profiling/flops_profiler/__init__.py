@@ -1,20 +1,33 @@
-"""``deepspeed.profiling.flops_profiler``: DeepSpeed's FLOPS profiler, not implemented in ds.
-
-The names import (client modules import them at their top) and raise ``NotImplementedError``
-when called. The ``flops_profiler`` config section is handled by ds-engine's config (refused
-when enabled). Per-step timings and communication volumes are available through the
-``wall_clock_breakdown`` and ``comms_logger`` sections.
-"""
+"""``deepspeed.profiling.flops_profiler``: per-module parameters, MACs, FLOPs and forward latency
+(DeepSpeed's ``FlopsProfiler`` and ``get_model_profile``), counted at the aten level so that every
+operator the forward runs is seen (see docs/profiling.md)."""
 
 from __future__ import annotations
 
-from ds_engine._not_implemented import not_implemented
-
-_FEATURE = "the FLOPS profiler"
-
-FlopsProfiler = not_implemented("deepspeed.profiling.flops_profiler.FlopsProfiler", _FEATURE)
-get_model_profile = not_implemented(
-    "deepspeed.profiling.flops_profiler.get_model_profile", _FEATURE
+from ds_engine.profiling.flops_profiler import profiler
+from ds_engine.profiling.flops_profiler.profiler import (
+    DEFAULT_PRECISION,
+    FlopsProfiler,
+    bytes_to_string,
+    duration_to_string,
+    flops_to_string,
+    get_model_profile,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
 )
 
-__all__ = ["FlopsProfiler", "get_model_profile"]
+__all__ = [
+    # the profiler
+    "FlopsProfiler",
+    "get_model_profile",
+    "profiler",
+    # number formatting (DeepSpeed's helpers)
+    "DEFAULT_PRECISION",
+    "bytes_to_string",
+    "duration_to_string",
+    "flops_to_string",
+    "macs_to_string",
+    "number_to_string",
+    "params_to_string",
+]
