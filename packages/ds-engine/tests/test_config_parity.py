@@ -104,7 +104,6 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
         ("sequence_parallel_size", 2, "sequence parallelism"),
         ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism"),
         ("elasticity", {"enabled": True}, "elastic training"),
-        ("data_efficiency", {"data_sampling": {"curriculum_learning": {"enabled": True}}}, "data"),
         (
             "compression_training",
             {"sparse_pruning": {"shared_parameters": {"enabled": True}}},
@@ -476,6 +475,11 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "autotuning_start_profile_step": 3,
     "autotuning_end_profile_step": 5,
     "autotuning_metric": "throughput",
+    # legacy curriculum and PLD (DeepSpeed 0.18's accessors and defaults; 0.19 removed them)
+    "curriculum_enabled_legacy": False,
+    "pld_enabled": False,
+    "pld_theta": 1.0,
+    "pld_gamma": 0.001,
     "data_efficiency_enabled": False,
     "data_sampling_enabled": False,
     "curriculum_learning_enabled": False,
@@ -499,6 +503,8 @@ SECTION_ACCESSORS = {
     "data_sampling_config": ("num_epochs", 1000),
     "curriculum_learning_config": ("enabled", False),
     "random_ltd_config": ("enabled", False),
+    "curriculum_params_legacy": None,  # {} without the section (DeepSpeed 0.18: False)
+    "pld_params": ("theta", 1.0),
     "tensor_parallel_config": ("autotp_size", 0),
     "dynamic_loss_scale_args": ("init_scale", 65536),
     "cpuadam_cores_perc": None,  # 0.8 (the model's default; DeepSpeed says 0.9 with no section)

@@ -193,6 +193,7 @@ def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], excl
         "skipped_steps": engine.skipped_steps,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "data_loader": loader.state_dict() if loader is not None else None,
+        "data_efficiency": engine.data_efficiency_state(),  # curriculum / PLD schedules
         "dp_world_size": engine.dp_world_size,
         "ds_version": __version__,
         "client_state": dict(client_state),
@@ -494,6 +495,7 @@ def load_checkpoint(
     engine.skipped_steps = int(state["skipped_steps"])
     if engine.training_dataloader is not None and state["data_loader"] is not None:
         engine.training_dataloader.load_state_dict(state["data_loader"])
+    engine.load_data_efficiency_state(state.get("data_efficiency"))
     rng_file = path / _rng_file(engine.global_rank)
     if rng_file.is_file():  # absent when loading on more ranks than saved
         _set_rng_state(load_file(rng_file))

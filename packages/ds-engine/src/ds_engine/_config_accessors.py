@@ -86,6 +86,21 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "zero_gather_16bit_weights_on_model_save": (
         f"{_ZERO}.stage3_gather_16bit_weights_on_model_save"
     ),
+    # data efficiency: curriculum learning (legacy and data sampling), progressive layer drop
+    "curriculum_enabled_legacy": "curriculum_learning.enabled",
+    "curriculum_params_legacy": "curriculum_learning.params",
+    "pld_enabled": "progressive_layer_drop.enabled",
+    "pld_params": "progressive_layer_drop.params",
+    "pld_theta": "progressive_layer_drop.theta",
+    "pld_gamma": "progressive_layer_drop.gamma",
+    "data_efficiency_enabled": "data_efficiency.enabled",
+    "data_efficiency_config": "data_efficiency.tree",
+    "data_sampling_enabled": "data_efficiency.data_sampling.enabled",
+    "data_sampling_config": "data_efficiency.data_sampling",
+    "curriculum_learning_enabled": "data_efficiency.data_sampling.curriculum_learning.enabled",
+    "curriculum_learning_config": "data_efficiency.data_sampling.curriculum_learning",
+    "random_ltd_enabled": "data_efficiency.data_routing.random_ltd.enabled",
+    "random_ltd_config": "data_efficiency.data_routing.random_ltd",
     # ZeRO keys of features ds does not implement (always DeepSpeed's defaults)
     "zero_model_persistence_threshold": f"{_ZERO_UNIMPLEMENTED}.model_persistence_threshold",
     "zero_module_granularity_threshold": f"{_ZERO_UNIMPLEMENTED}.module_granularity_threshold",
@@ -118,16 +133,6 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "autotuning_start_profile_step": f"{_FEATURES}.autotuning.start_profile_step",
     "autotuning_end_profile_step": f"{_FEATURES}.autotuning.end_profile_step",
     "autotuning_metric": f"{_FEATURES}.autotuning.metric",
-    "data_efficiency_enabled": f"{_FEATURES}.data_efficiency.enabled",
-    "data_efficiency_config": f"{_FEATURES}.data_efficiency",
-    "data_sampling_enabled": f"{_FEATURES}.data_efficiency.data_sampling.enabled",
-    "data_sampling_config": f"{_FEATURES}.data_efficiency.data_sampling",
-    "curriculum_learning_enabled": (
-        f"{_FEATURES}.data_efficiency.data_sampling.curriculum_learning.enabled"
-    ),
-    "curriculum_learning_config": f"{_FEATURES}.data_efficiency.data_sampling.curriculum_learning",
-    "random_ltd_enabled": f"{_FEATURES}.data_efficiency.data_routing.random_ltd.enabled",
-    "random_ltd_config": f"{_FEATURES}.data_efficiency.data_routing.random_ltd",
     "torch_autocast_enabled": f"{_FEATURES}.torch_autocast.enabled",
     "torch_autocast_dtype": f"{_FEATURES}.torch_autocast.dtype",
     "torch_autocast_lower_precision_safe_modules": (

@@ -10,7 +10,7 @@ decides whether a given value *asks for* the feature:
   other settings say: ``"flops_profiler": {"enabled": false, "profile_step": 5}`` is inert);
 - any other value asks for nothing when it equals DeepSpeed's default, key by key (``"auto"``
   stands for the default, as in DeepSpeed's config models);
-- an *open* section (``data_efficiency``, ``compression_training``, ...: deep trees of
+- an *open* section (``compression_training``, ``weight_quantization``, ...: deep trees of
   per-technique settings) asks for something when any ``enabled`` inside it is true.
 
 A value that asks for nothing is accepted and kept (merged over the defaults) in
@@ -288,40 +288,14 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
     "datastates_ckpt": NotImplementedFeature(
         "DataStates asynchronous checkpointing", {"enabled": False}, open=True
     ),
-    "data_efficiency": NotImplementedFeature(
-        "the data efficiency library (data sampling, curriculum, random-LTD)",
-        {
-            "enabled": False,
-            "seed": 1234,
-            "data_sampling": {
-                "enabled": False,
-                "num_epochs": 1000,
-                "num_workers": 0,
-                "pin_memory": False,
-                "curriculum_learning": {"enabled": False},
-                "dynamic_batching": {"enabled": False},
-            },
-            "data_routing": {
-                "enabled": False,
-                "random_ltd": {"enabled": False, "layer_token_lr_schedule": {"enabled": False}},
-            },
-        },
-        open=True,
-    ),
     "elasticity": NotImplementedFeature(
         "elastic training", {"enabled": False}, open=True, note=_REMOVED
-    ),
-    "curriculum_learning": NotImplementedFeature(
-        "legacy curriculum learning", {"enabled": False}, open=True, note=_REMOVED
     ),
     "compression_training": NotImplementedFeature(
         "compression training (quantization, pruning, layer reduction)",
         {},
         open=True,
         note=_REMOVED,
-    ),
-    "progressive_layer_drop": NotImplementedFeature(
-        "progressive layer dropping", {"enabled": False}, open=True, note=_REMOVED
     ),
     "quantize_training": NotImplementedFeature(
         "Mixture-of-Quantization training", {"enabled": False}, open=True, note=_REMOVED

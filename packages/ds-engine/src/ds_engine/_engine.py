@@ -25,6 +25,7 @@ import ds_comm
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
 from ds_engine._build import build_client_optimizer, build_gradient_step, build_scheduler
+from ds_engine._data_efficiency import DataEfficiencyMixin
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._flops_engine import EngineFlopsProfile
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
@@ -54,7 +55,7 @@ def _dp_group_of(mpu: Any) -> tuple[Any, int, int]:
     return group, ds_comm.get_rank(group), ds_comm.get_world_size(group)
 
 
-class DeepSpeedEngine(EngineSurface, nn.Module):
+class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
     """Trains ``model`` as ``config`` says (see [Note: what the engine adds to ds-zero]).
 
     Build it with :func:`ds_engine.initialize`. The loop is DeepSpeed's::
@@ -127,6 +128,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         self.flops_profiler = self._flops.profiler  # DeepSpeed's attribute (None: disabled)
         self.progress = Progress(rank=self.global_rank, steps_per_print=config.steps_per_print)
         self.monitor = build_monitor(config, rank=self.global_rank)
+        self._setup_data_efficiency()
         self.training_dataloader: DeepSpeedDataLoader | None = None
         if training_data is not None:
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -205,6 +207,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
+        kwargs = self._data_efficiency_kwargs(kwargs)  # curriculum_seqlen, pld_theta
         with self._flops.forward(self.global_steps), self.timers.forward():
             return self.module(*inputs, **kwargs)
 
@@ -289,6 +292,7 @@ class DeepSpeedEngine(EngineSurface, nn.Module):
         self._step_applied = result.applied
         if not result.boundary:
             return
+        self._data_efficiency_boundary()  # before counting the step, as DeepSpeed
         self.global_steps += 1
         self.global_samples += self._config.train_batch_size
         if result.overflow:

@@ -160,6 +160,10 @@ def build_loader(
             f"deepspeed_io: {type(dataset).__name__} is not a torch Dataset (map-style)"
         )
     config = engine._config
+    if route == "train" and data_sampler is None and config.data_efficiency.curriculum_metrics:
+        from ds_engine._data_sampler import curriculum_loader  # imports this module
+
+        return curriculum_loader(engine, dataset, batch_size=batch_size, collate_fn=collate_fn)
     return DeepSpeedDataLoader(
         dataset,
         batch_size=batch_size or config.train_micro_batch_size_per_gpu,

@@ -43,6 +43,10 @@ from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
 from ds_engine._build import build_client_optimizer, build_gradient_step, build_scheduler
 from ds_engine._checkpoint import check_client_state, resolve_checkpoint, tag_directory
+from ds_engine._data_efficiency import (
+    PipelineDataEfficiencyMixin,
+    refuse_pipeline_data_efficiency,
+)
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_pipeline_checkpoint
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
@@ -67,6 +71,7 @@ _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def check_pipeline_config(config: DeepSpeedConfig) -> None:
     """Refuse what a pipeline cannot train with (see [Note: the pipeline engine under
     initialize()])."""
+    refuse_pipeline_data_efficiency(config)
     stage = config.zero_optimization.stage
     if stage >= 2:
         raise ConfigError(
@@ -96,7 +101,7 @@ def _repeat(loader: DeepSpeedDataLoader) -> Iterator[Any]:
         yield from loader
 
 
-class PipelineDeepSpeedEngine(EngineSurface):
+class PipelineDeepSpeedEngine(EngineSurface, PipelineDataEfficiencyMixin):
     """The engine ``initialize()`` returns for a ``PipelineModule`` (see [Note: the pipeline
     engine under initialize()]).
 

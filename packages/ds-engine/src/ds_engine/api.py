@@ -37,6 +37,11 @@ import torch
 
 from ds_comm import CommsLoggerConfig, ConfigError
 from ds_comm.api import check_keys, is_auto
+from ds_engine._config_data_efficiency import (
+    CurriculumLegacyConfig,
+    DataEfficiencyConfig,
+    ProgressiveLayerDropConfig,
+)
 from ds_engine._config_features import NOT_IMPLEMENTED, FeatureSettings
 from ds_engine._config_load import load_config_dict
 from ds_engine._config_monitor import (
@@ -81,6 +86,9 @@ _SECTIONS: dict[str, Any] = {
     "wandb": WandbConfig,
     "csv_monitor": CsvMonitorConfig,
     "comet": CometConfig,
+    "curriculum_learning": CurriculumLegacyConfig,
+    "progressive_layer_drop": ProgressiveLayerDropConfig,
+    "data_efficiency": DataEfficiencyConfig,
     "flops_profiler": FlopsProfilerConfig,
 }
 # DeepSpeed accepts "bfloat16" as an alias of "bf16".
@@ -143,6 +151,8 @@ class DeepSpeedConfig(Mapping[str, Any]):
         data_types: the ``data_types`` section (buffer dtype, fp32-kept modules).
         activation_checkpointing: the section ``deepspeed.checkpointing.configure`` reads.
         tensorboard, wandb, csv_monitor, comet: the monitor sections (``engine.monitor``).
+        curriculum_learning, progressive_layer_drop, data_efficiency: curriculum learning
+            (legacy and data-sampling), progressive layer drop (docs/data_efficiency.md).
         flops_profiler: the ``flops_profiler`` section (``engine.flops_profiler``).
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
         steps_per_print: print a progress line every this many optimizer steps (``inf``: never).
@@ -191,6 +201,11 @@ class DeepSpeedConfig(Mapping[str, Any]):
     wandb: WandbConfig = field(default_factory=WandbConfig)
     csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
     comet: CometConfig = field(default_factory=CometConfig)
+    curriculum_learning: CurriculumLegacyConfig = field(default_factory=CurriculumLegacyConfig)
+    progressive_layer_drop: ProgressiveLayerDropConfig = field(
+        default_factory=ProgressiveLayerDropConfig
+    )
+    data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     gradient_clipping: float = 1.0
     steps_per_print: int | float = 10

@@ -2,7 +2,7 @@
 
 Submodules load on first attribute access: ``zero`` (ds-zero), ``pipe`` (ds-pipe), ``engine``,
 ``config``, ``dataloader``, ``utils``, ``lr_schedules`` (ds-optim), ``base_optimizer``,
-``fp16`` and ``activation_checkpointing``.
+``fp16``, ``activation_checkpointing``, ``data_pipeline`` and ``progressive_layer_drop``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ _SUBMODULES = frozenset(
         "activation_checkpointing",
         "base_optimizer",
         "config",
+        "data_pipeline",
         "dataloader",
         "engine",
         "fp16",
         "lr_schedules",
         "pipe",
+        "progressive_layer_drop",
         "utils",
         "zero",
     }

@@ -1,0 +1,7 @@
+"""``deepspeed.runtime.progressive_layer_drop``: the PLD keep-ratio schedule."""
+
+from __future__ import annotations
+
+from ds_engine._pld import ProgressiveLayerDrop
+
+__all__ = ["ProgressiveLayerDrop"]
