@@ -1,246 +1,185 @@
 """A ds engine's state, written in DeepSpeed's checkpoint layout so real DeepSpeed resumes it.
 
-Every rank hands its :class:`~ds_zero.TensorShard` pieces (fp32 masters and Adam moments) to
-every other; global rank 0 assembles each parameter whole and writes the files DeepSpeed 0.19
-writes for the requested data-parallel world size and ZeRO stage (see [Note: DeepSpeed's
-checkpoint layout]), pickled with DeepSpeed's own global names (see [Note: DeepSpeed's pickled
-types]). DeepSpeed cannot change the data-parallel world size of a ZeRO checkpoint when it
-loads one, so the writer lays the partitions out for the world size DeepSpeed will run on.
+Every rank hands its :class:`~ds_zero.TensorShard` pieces to the others of its data-parallel
+group; data-parallel rank 0 assembles each parameter whole (see [Note: writing DeepSpeed's
+layout]) and writes the files DeepSpeed 0.19 writes for the requested data-parallel world size
+and ZeRO stage, pickled with DeepSpeed's own global names (see [Note: DeepSpeed's pickled
+types]). DeepSpeed cannot change the data-parallel world size of a ZeRO checkpoint when it loads
+one, so the writer lays the partitions out for the world size DeepSpeed will run on.
+
+The files, by case (DeepSpeed's names):
+
+- every case: ``mp_rank_XX_model_states.pt`` (module weights, scheduler, step counters, client
+  state; ``XX`` is the pipeline stage), and ``latest`` naming the tag;
+- ZeRO stage 0: the optimizer state inside the model file (see [Note: DeepSpeed's stage-0
+  optimizer state]);
+- stages 1-2: ``[bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt`` per rank; stage 3 also
+  ``zero_pp_rank_R_mp_rank_XX_model_states.pt`` per rank (see [Note: DeepSpeed's ZeRO
+  partitions]);
+- a ``PipelineModule``: ``layer_LL-model_states.pt`` per layer, ``module = None`` in the model file
+  (``_write_pipe``);
+- MoE layers: ``layer_L_expert_E_mp_rank_XX_model_states.pt`` per expert and, at stage 0,
+  ``expp_rank_R_mp_rank_XX_optim_states.pt`` per expert-parallel rank (``_write_moe``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
-from ds_engine._deepspeed_ckpt._pickle import (
-    DeepSpeedCheckpointError,
-    DynamicLossScalerState,
-    FragmentAddress,
-    LossScalerState,
-    ZeroStage,
-    save_file,
-)
-from ds_zero import GatheredParameters, Stage3Optimizer, ZeroOptimizer
+from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError, save_file
+from ds_engine._deepspeed_ckpt._write_stage0 import stage0_optimizer
+from ds_engine._deepspeed_ckpt._write_state import WriteState, gather_state, zero_optimizer_of
+from ds_engine._deepspeed_ckpt._write_zero import stage3_files, stage12_files
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ds_engine._engine import DeepSpeedEngine
-
-__all__ = ["save_deepspeed_checkpoint"]
+__all__ = [
+    "DEEPSPEED_VERSION",
+    "engine_meta",
+    "model_states",
+    "save_deepspeed_checkpoint",
+    "write_layout",
+]
 
 DEEPSPEED_VERSION = "0.19.8"  # the layout written (DeepSpeed 0.16-0.19 read it)
-_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor (stages 1-2)
 
 
-def _gather_pieces(engine: DeepSpeedEngine) -> list[tuple[str, tuple, int, int, dict]]:
-    optimizer = _zero_optimizer(engine)
-    mine = [
-        (
-            s.name,
-            tuple(s.shape),
-            s.start,
-            s.stop,
-            {k: v.detach().float().cpu() for k, v in s.values.items()},
-        )
-        for s in optimizer.checkpoint_shards()
-        if s.stop > s.start
-    ]
-    if not (dist.is_available() and dist.is_initialized()) or engine.dp_world_size == 1:
-        return mine
-    out: list[Any] = [None] * engine.dp_world_size
-    dist.all_gather_object(out, mine, group=engine.dp_group)
-    return [piece for pieces in out for piece in pieces]
+def _scheduler_state(engine: Any) -> Any:
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is None:
+        return None
+    saved = scheduler.state_dict()
+    if "last_batch_iteration" in saved:  # DeepSpeed's own schedulers keep only this
+        return {"last_batch_iteration": saved["last_batch_iteration"]}
+    return saved
 
 
-def _assemble(pieces: list) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    fp32: dict[str, torch.Tensor] = {}
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for name, shape, start, stop, values in pieces:
-        numel = math.prod(shape)
-        for key, value in values.items():
-            target = fp32 if key == "param" else moments.setdefault(name, {})
-            whole = (
-                target.setdefault(name, torch.zeros(numel))
-                if key == "param"
-                else target.setdefault(key, torch.zeros(numel))
-            )
-            whole[start:stop].copy_(value.reshape(-1))
-    return fp32, moments
-
-
-def _module_weights(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
-    """The module's state dict on every rank, ZeRO-3 parameters gathered one at a time."""
-    state: dict[str, torch.Tensor] = OrderedDict()
-    for key, value in engine.module.state_dict(keep_vars=True).items():
-        with GatheredParameters([value]):
-            state[key] = value.detach().cpu().clone()
-    return state
-
-
-def _zero_optimizer(engine: DeepSpeedEngine) -> ZeroOptimizer | Stage3Optimizer:
-    """The engine's optimizer, typed as the ZeRO one save_deepspeed_checkpoint checked."""
-    return cast("ZeroOptimizer | Stage3Optimizer", engine.optimizer)
-
-
-def _scalars(engine: DeepSpeedEngine) -> tuple[Any, list[dict[str, Any]]]:
-    optimizer = _zero_optimizer(engine)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    step = None
-    for value in inner.state.values():
-        if "step" in value:
-            step = value["step"]
-            break
-    step = torch.as_tensor(step if step is not None else 0, dtype=torch.float32).clone()
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return step, hyper
-
-
-def _loss_scaler(engine: DeepSpeedEngine) -> LossScalerState:
-    scaler = engine.loss_scaler
-    if scaler is None:
-        return LossScalerState(cur_scale=1.0, dynamic=False)
-    state = scaler.state_dict()
-    if "cur_iter" not in state:
-        return LossScalerState(cur_scale=float(state["cur_scale"]), dynamic=False)
-    defaults = {
-        "scale_factor": 2.0,
-        "scale_window": 1000,
-        "min_scale": 1,
-        "delayed_shift": 2,
-        "consecutive_hysteresis": False,
-        "raise_error_at_min_scale": True,
+def engine_meta(engine: Any) -> dict[str, Any]:
+    """The model file's run-level entries of ``engine`` (see :func:`model_states`)."""
+    config = getattr(engine, "config", None)
+    return {
+        "buffer_names": [n for n, _ in engine.module.named_buffers()],
+        "lr_scheduler": _scheduler_state(engine),
+        "skipped_steps": int(engine.skipped_steps),
+        "global_steps": int(engine.global_steps),
+        "global_samples": int(engine.global_samples),
+        "ds_config": dict(config) if isinstance(config, dict) else {},
     }
-    extra = {k: getattr(scaler, k, v) for k, v in defaults.items()}
-    return DynamicLossScalerState(
-        cur_scale=float(state["cur_scale"]),
-        dynamic=True,
-        cur_iter=int(state["cur_iter"]),
-        last_overflow_iter=int(state["last_overflow_iter"]),
-        cur_hysteresis=int(state["cur_hysteresis"]),
-        dtype=torch.float16,
-        **extra,
-    )
 
 
-def _model_states(
-    engine: DeepSpeedEngine,
-    module: Mapping[str, torch.Tensor],
-    shapes: OrderedDict,
+def model_states(
+    meta: Mapping[str, Any],
+    state: WriteState,
+    *,
+    module: Any,
+    optimizer: Any,
     world: int,
+    stage: int,
+    mp_world: int = 1,
+    pp_degree: int = 1,
     client_state: Mapping[str, Any],
 ) -> dict[str, Any]:
-    scheduler = engine.lr_scheduler
+    """``mp_rank_XX_model_states.pt``'s dict as DeepSpeed's ``_common_checkpoint_state``;
+    ``meta`` holds the run-level entries (:func:`engine_meta`)."""
+    zero = stage > 0
+    shapes = [OrderedDict((n, state.shapes[n]) for n in g.names) for g in state.groups]
     return {
         "module": module,
-        "buffer_names": [n for n, _ in engine.module.named_buffers()],
-        "optimizer": None,
-        "param_shapes": [shapes],
-        "frozen_param_shapes": OrderedDict(),
-        "shared_params": {},
-        "frozen_param_fragments": OrderedDict(),
-        "lr_scheduler": (
-            {"last_batch_iteration": scheduler.state_dict()["last_batch_iteration"]}
-            if scheduler is not None and "last_batch_iteration" in scheduler.state_dict()
-            else (scheduler.state_dict() if scheduler is not None else None)
-        ),
+        "buffer_names": list(meta.get("buffer_names", [])),
+        "optimizer": optimizer,
+        "param_shapes": shapes if zero else None,
+        "frozen_param_shapes": OrderedDict() if stage >= 2 else None,
+        "shared_params": {} if zero else None,
+        "frozen_param_fragments": OrderedDict() if stage >= 2 else None,
+        "lr_scheduler": meta.get("lr_scheduler"),
         "data_sampler": None,
         "random_ltd": None,
-        "skipped_steps": engine.skipped_steps,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
+        "skipped_steps": int(meta.get("skipped_steps", 0)),
+        "global_steps": int(meta.get("global_steps", 0)),
+        "global_samples": int(meta.get("global_samples", 0)),
         "dp_world_size": world,
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-        "ds_config": {},
+        "mp_world_size": mp_world,
+        "checkpoint_parallel_dimensions": {"pp_degree": pp_degree, "tp_degree": 1},
+        "ds_config": dict(meta.get("ds_config") or {}),
         "ds_version": DEEPSPEED_VERSION,
         **dict(client_state),
     }
 
 
-def _stage12_files(fp32, moments, names, world, stage, step, hyper, scaler, clip) -> list[dict]:
-    flat = torch.cat([fp32[n] for n in names])
-    total = flat.numel()
-    padded = math.ceil(total / (_ALIGNMENT * world)) * _ALIGNMENT * world
-    part = padded // world
-    flats = {"param": torch.nn.functional.pad(flat, (0, padded - total))}
-    for key in moments[names[0]]:
-        whole = torch.cat([moments[n][key] for n in names])
-        flats[key] = torch.nn.functional.pad(whole, (0, padded - total))
-    offsets, at = {}, 0
-    for n in names:
-        offsets[n] = (at, at + fp32[n].numel())
-        at += fp32[n].numel()
-    files = []
-    for r in range(world):
-        low, high = r * part, (r + 1) * part
-        padding = max(0, high - total) if r == world - 1 else 0
-        mapping = OrderedDict()
-        for n, (begin, end) in offsets.items():
-            lo, hi = max(low, begin), min(high, end)
-            if lo < hi:
-                mapping[n] = FragmentAddress(numel=hi - lo, start=lo - low)
-        state = {k: v[low:high].clone() for k, v in flats.items() if k != "param"}
-        files.append(
-            {
-                "loss_scaler": scaler,
-                "dynamic_loss_scale": isinstance(scaler, DynamicLossScalerState),
-                "overflow": False,
-                "clip_grad": clip,
-                "base_optimizer_state": {
-                    "state": {0: {"step": step.clone(), **state}},
-                    "param_groups": [{**hyper[0], "params": [0]}],
-                },
-                "single_partition_of_fp32_groups": [flats["param"][low : high - padding].clone()],
-                "zero_stage": ZeroStage(stage),
-                "group_paddings": [padding],
-                "param_alignment_paddings": [[0] * len(names)],
-                "partition_count": [world],
-                "ds_version": DEEPSPEED_VERSION,
-                "param_slice_mappings": [mapping],
-            }
+def low_precision(engine: Any) -> str | None:
+    """``"bf16"``, ``"fp16"`` or None: the model dtype DeepSpeed's files are written for."""
+    config = engine._config
+    if config.bf16.enabled:
+        return "bf16"
+    return "fp16" if config.fp16.enabled else None
+
+
+def write_optimizer_files(
+    root: Path, state: WriteState, *, world: int, stage: int, bf16: bool, mp_rank: int = 0
+) -> None:
+    """The ZeRO optimizer files of stages 1-3 (nothing at stage 0)."""
+    if stage == 0:
+        return
+    files = (
+        stage3_files(state, world)
+        if stage == 3
+        else stage12_files(state, world, stage, DEEPSPEED_VERSION)
+    )
+    prefix = "bf16_" if bf16 else ""
+    for r, optim in enumerate(files):
+        wrapped = {"optimizer_state_dict": optim, "ds_config": {}, "ds_version": DEEPSPEED_VERSION}
+        save_file(wrapped, root / f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def write_layout(
+    root: Path,
+    state: WriteState,
+    meta: Mapping[str, Any],
+    *,
+    world: int,
+    stage: int,
+    dtype: str | None,
+    client: Mapping[str, Any],
+) -> None:
+    """Write a plain (not pipeline, not MoE) model's files into the tag folder ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    optimizer = stage0_optimizer(state, dtype is not None) if stage == 0 else None
+    module: Any = state.module
+    if stage == 3:
+        trainable = set(state.shapes)
+        module = OrderedDict(
+            (k, v.new_empty(0)) if k in trainable else (k, v) for k, v in state.module.items()
         )
-    return files
+    states = model_states(
+        meta,
+        state,
+        module=module,
+        optimizer=optimizer,
+        world=world,
+        stage=stage,
+        client_state=client,
+    )
+    write_optimizer_files(root, state, world=world, stage=stage, bf16=dtype == "bf16")
+    if stage == 3:
+        for r in range(world):
+            save_file(states, root / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+    else:
+        save_file(states, root / "mp_rank_00_model_states.pt")
 
 
-def _stage3_files(fp32, moments, names, world, step, hyper, scaler) -> list[dict]:
-    def split(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for n in names:
-            size = math.ceil(values[n].numel() / world)
-            padded = torch.nn.functional.pad(values[n], (0, size * world - values[n].numel()))
-            for r in range(world):
-                parts[r].append(padded[r * size : (r + 1) * size])
-        return [torch.cat(p) for p in parts]
-
-    masters = split(fp32)
-    states = {key: split({n: moments[n][key] for n in names}) for key in moments[names[0]]}
-    return [
-        {
-            "zero_stage": ZeroStage.weights,
-            "loss_scaler": scaler,
-            "dynamic_loss_scale": isinstance(scaler, DynamicLossScalerState),
-            "overflow": False,
-            "partition_count": world,
-            "optimizer_state_dict": {
-                "state": {0: {"step": step.clone(), **{k: v[r] for k, v in states.items()}}},
-                "param_groups": [{**hyper[0], "params": [0]}],
-            },
-            "fp32_flat_groups": [masters[r]],
-        }
-        for r in range(world)
-    ]
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def save_deepspeed_checkpoint(
-    engine: DeepSpeedEngine,
+    engine: Any,
     save_dir: str | os.PathLike[str],
     tag: str | None = None,
     *,
@@ -249,81 +188,45 @@ def save_deepspeed_checkpoint(
     stage: int | None = None,
 ) -> Path:
     """Write ``engine``'s state as DeepSpeed 0.19 would have saved it, for real DeepSpeed's
-    ``load_checkpoint`` to resume. Every rank must call it; global rank 0 writes.
+    ``load_checkpoint`` to resume. Every rank must call it; data-parallel rank 0 writes.
 
     Args:
-        engine: a ds engine with a ZeRO optimizer (any stage) and one param group.
+        engine: a ds engine (or pipeline engine) with ds's ZeRO optimizer, any stage, any number
+            of param groups; MoE layers and ``PipelineModule`` models included.
         save_dir: the DeepSpeed ``save_dir`` (``<save_dir>/<tag>/`` and ``latest``).
         tag: default ``global_step<N>`` as DeepSpeed.
         client_state: extra top-level keys of the model file (DeepSpeed returns them).
         world_size: DeepSpeed's data-parallel world size (default: this run's).
-        stage: DeepSpeed's ZeRO stage, 1-3 (default: this run's).
+        stage: DeepSpeed's ZeRO stage, 0-3 (default: this run's).
 
     Raises:
-        DeepSpeedCheckpointError: a stage, optimizer or param-group layout not written yet.
+        DeepSpeedCheckpointError: a stage, optimizer or model DeepSpeed's layout is not written
+            for (named in the message).
     """
-    optimizer = engine.optimizer
-    if not isinstance(optimizer, (ZeroOptimizer, Stage3Optimizer)):
-        raise DeepSpeedCheckpointError(
-            f"writing DeepSpeed's layout needs ds's ZeRO optimizer, not {type(optimizer).__name__}"
-        )
+    from ds_engine._deepspeed_ckpt._write_moe import has_moe, write_moe
+    from ds_engine._deepspeed_ckpt._write_pipe import is_pipeline, write_pipeline
+
+    zero_optimizer_of(engine)  # refuses a non-ZeRO optimizer before any collective
     world = int(world_size or engine.dp_world_size)
     stage = int(stage if stage is not None else engine._config.zero_optimization.stage)
-    if stage not in (1, 2, 3):
-        raise DeepSpeedCheckpointError(
-            f"writing DeepSpeed's layout for ZeRO stage {stage} is not implemented (stages 1-3 "
-            "are); pass stage=1 (DeepSpeed loads ZeRO-1 into stage 1 or 2 only)"
-        )
-    if len(optimizer.param_groups) != 1:
-        raise DeepSpeedCheckpointError(
-            f"writing DeepSpeed's layout for {len(optimizer.param_groups)} param groups is not "
-            "implemented (one group is)"
-        )
+    if stage not in (0, 1, 2, 3):
+        raise DeepSpeedCheckpointError(f"stage={stage}: DeepSpeed's ZeRO stages are 0, 1, 2, 3")
+    if world < 1:
+        raise DeepSpeedCheckpointError(f"world_size={world}: pass a positive world size")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    pieces = _gather_pieces(engine)
-    module = _module_weights(engine)
-    step, hyper = _scalars(engine)
-    if engine.global_rank == 0:
-        fp32, moments = _assemble(pieces)
-        names = [n for n, p in engine.module.named_parameters() if p.requires_grad and n in fp32]
-        shapes = OrderedDict((n, module[n].shape) for n in names)
-        root = Path(save_dir) / tag
-        root.mkdir(parents=True, exist_ok=True)
-        scaler = _loss_scaler(engine)
-        bf16 = "bf16_" if engine._config.bf16.enabled else ""
-        files = (
-            _stage3_files(fp32, moments, names, world, step, hyper, scaler)
-            if stage == 3
-            else _stage12_files(
-                fp32,
-                moments,
-                names,
-                world,
-                stage,
-                step,
-                hyper,
-                scaler,
-                float(engine._config.gradient_clipping),
-            )
-        )
-        for r, optim in enumerate(files):
-            wrapped = {
-                "optimizer_state_dict": optim,
-                "ds_config": {},
-                "ds_version": DEEPSPEED_VERSION,
-            }
-            save_file(wrapped, root / f"{bf16}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-        if stage == 3:
-            empty = OrderedDict(
-                (k, v.new_empty(0)) if k in shapes else (k, v) for k, v in module.items()
-            )
-            states = _model_states(engine, empty, shapes, world, client_state or {})
-            for r in range(world):
-                save_file(states, root / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-        else:
-            states = _model_states(engine, module, shapes, world, client_state or {})
-            save_file(states, root / "mp_rank_00_model_states.pt")
+    root = Path(save_dir) / tag
+    client = dict(client_state or {})
+    if is_pipeline(engine):
+        write_pipeline(engine, root, world=world, stage=stage, client=client)
+    elif has_moe(engine.module):
+        write_moe(engine, root, world=world, stage=stage, client=client)
+    else:
+        state = gather_state(engine, engine.module)
+        if state is not None:
+            meta = engine_meta(engine)
+            dtype = low_precision(engine)
+            write_layout(root, state, meta, world=world, stage=stage, dtype=dtype, client=client)
+    if int(engine.global_rank) == 0:
         (Path(save_dir) / "latest").write_text(tag)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    return Path(save_dir) / tag
+    _barrier()
+    return root
