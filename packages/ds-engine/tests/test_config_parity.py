@@ -384,11 +384,13 @@ def test_grad_accum_dtype_is_what_ds_accumulates_in(
         DeepSpeedConfig.from_dict(config)
 
 
-def test_nvme_optimizer_offload_at_stage_3_is_refused_at_start_up() -> None:
+def test_nvme_optimizer_offload_at_stage_3_is_accepted() -> None:
+    # ZeRO-Infinity (trained in test_offload_nvme.py)
     section = {"device": "nvme", "nvme_path": "/tmp"}
-    zero = {"stage": 3, "offload_optimizer": section}
-    with pytest.raises(ConfigError, match=r'device = "nvme" at .*stage = 3.*not implemented in ds'):
-        DeepSpeedConfig.from_dict({**BASE, "zero_optimization": zero})
+    zero = {"stage": 3, "offload_optimizer": section, "offload_param": section}
+    config = DeepSpeedConfig.from_dict({**BASE, "zero_optimization": zero})
+    assert config.zero_optimization.offload_optimizer.device == "nvme"
+    assert config.zero_optimization.offload_param.device == "nvme"
 
 
 # --- accessors -------------------------------------------------------------------------------

@@ -73,6 +73,40 @@ def test_nvme_offload_trains_exactly_like_cpu_offload(
         assert (tmp_path / "ds_zero" / f"rank{rank}").is_dir()
 
 
+def _infinity_body(rank: int, world_size: int, *, root: str) -> dict:
+    import torch
+
+    def gathered(engine) -> torch.Tensor:
+        params = list(engine.module.parameters())
+        params[0].ds_partitioner.gather(params).wait()
+        return torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+    # several sub-groups, so the swap pipeline overlaps their steps; every parameter sharded
+    common = {"stage": 3, "sub_group_size": 40, "stage3_param_persistence_threshold": 0}
+    offload = {"device": "cpu"}
+    cpu = {**common, "offload_optimizer": offload, "offload_param": offload}
+    nvme = {"device": "nvme", "nvme_path": root}
+    infinity = {**common, "offload_optimizer": nvme, "offload_param": {**nvme, "max_in_cpu": 0}}
+    cpu_losses, (cpu_engine, _) = _train(rank, world_size, cpu, steps=6)
+    losses, (engine, _) = _train(rank, world_size, infinity, steps=6)
+    assert losses == cpu_losses
+    assert torch.equal(gathered(engine), gathered(cpu_engine))
+    assert sum(losses[-2:]) < sum(losses[:2])
+    zero = engine.optimizer
+    assert len(zero.masters) > 1 and type(zero._swap.swapper).__name__ == "AsyncTensorSwapper"
+    assert zero.partitioner.shard_store.reads > 0  # the parameter shards came from their files
+    host = zero.host_memory()
+    assert engine.memory_usage().host == sum(host.values())
+    return host
+
+
+def test_zero_infinity_trains_exactly_like_cpu_offload(tmp_path: Path) -> None:
+    """ZeRO-3 with the optimizer state and the parameter shards on NVMe, through the config."""
+    for host in run_on_ranks(_infinity_body, 2, root=str(tmp_path), timeout=600):
+        assert host["pinned_staging"] > 0 and host["optimizer_state"] == 0 and host["masters"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds_zero", "ds_zero_params"]
+
+
 def test_aio_section_is_parsed_by_ds_offload_aio() -> None:
     from ds_offload_aio import AioConfig
 

@@ -3,7 +3,8 @@
 [Note: NVMe optimizer offload]
 ds-zero keeps each rank's fp32 master partition and gradient in host memory (as with ``cpu``)
 and, between steps, writes the optimizer's state tensors to ``<nvme_path>/ds_zero/rank<r>/``
-through a ``ds_zero.api.TensorSwapper``. The engine builds that swapper from ds-offload-aio: an
+through a ``ds_zero.api.TensorSwapper`` (at stage 3 one master sub-group at a time, the next
+one's read overlapping the current one's step: ZeRO-Infinity, docs/zero3.md). The engine builds that swapper from ds-offload-aio: an
 ``AioHandle`` with the ``aio`` section's settings, staging through a ``PinnedBufferPool`` of
 ``offload_optimizer.buffer_count`` buffers (at least two, so copies overlap disk transfers),
 each as large as one state tensor of this rank's partition, capped at 64 MiB and at least
@@ -43,7 +44,10 @@ def nvme_swapper(config: DeepSpeedConfig, model: nn.Module) -> Any:
             "aio.use_gds = true: offload_optimizer keeps optimizer state in host memory, which "
             "GPUDirect Storage cannot move; set aio.use_gds to false"
         )
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # a stage 3 parameter built under zero.Init is empty here: ds_numel is its size
+    trainable = sum(
+        getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad
+    )
     partition = math.ceil(trainable / config.dp_world_size)
     buffer_bytes = max(settings.block_size, min(4 * partition, _MAX_BUFFER_BYTES))
     pool = aio.PinnedBufferPool(buffer_bytes=buffer_bytes, count=max(2, offload.buffer_count))

@@ -266,15 +266,6 @@ class DeepSpeedConfig(Mapping[str, Any]):
             object.__setattr__(self, "user_config", triad)
         self._check_grad_accum()
         if self.zero_optimization.offload_optimizer.device == "nvme":
-            if self.zero_optimization.stage == 3:
-                # ds_zero's stage 3 optimizer takes no swapper (build_zero_optimizer refuses it
-                # too); refused here, at start-up, with the key. Issue 21 lifts it.
-                raise ConfigError(
-                    'zero_optimization.offload_optimizer.device = "nvme" at zero_optimization.'
-                    "stage = 3 asks for optimizer-state NVMe offload at ZeRO stage 3 "
-                    '(ZeRO-Infinity), which is not implemented in ds; use device "cpu", or '
-                    "stage 2 with NVMe"
-                )
             aio = require(
                 "ds_offload_aio",
                 "ds-offload-aio",
