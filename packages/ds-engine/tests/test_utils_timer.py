@@ -162,3 +162,20 @@ def test_wall_clock_breakdown_reports_every_timer_on_two_ranks(stage: int) -> No
         assert [part.split(":")[0] for part in line.split(" | ")[1:]] == names
         assert all(float(part.split(": ")[1]) >= 0 for part in line.split(" | ")[1:]), line
     assert "time (ms)" not in outputs[1]["stdout"]  # printed on rank 0 only
+
+
+def test_intervals_from_marks_and_fold() -> None:
+    from ds_engine.utils.timer import SynchronizedWallClockTimer, timer_mark
+
+    timers = SynchronizedWallClockTimer()
+    for _ in range(3):
+        start = timer_mark()
+        time.sleep(0.01)
+        timers("phase").add_interval(start, timer_mark())
+    total = timers("phase").elapsed(reset=False)
+    assert 25.0 <= total <= 600.0
+    timers("phase").fold()
+    assert timers("phase").elapsed(reset=False) == pytest.approx(total)
+    assert timers("phase").elapsed_records is not None and len(timers("phase").elapsed_records) == 1
+    with pytest.raises(TypeError, match="different kinds"):
+        timers("phase").add_interval(0.0, object())

@@ -144,14 +144,20 @@ class SynchronizedWallClockTimer:
 
         def _records(self) -> list[float]:
             out = []
-            for item in self._intervals:
-                if isinstance(item, tuple):
+            for i, item in enumerate(self._intervals):
+                if isinstance(item, tuple):  # resolve an event pair once, keep its seconds
                     item[1].synchronize()
-                    out.append(float(item[0].elapsed_time(item[1])))
-                else:
-                    out.append(item * 1000.0)
+                    item = float(item[0].elapsed_time(item[1])) / 1000.0
+                    self._intervals[i] = item
+                out.append(item * 1000.0)
             self.elapsed_records = out
             return out
+
+        def fold(self) -> None:
+            """Replace the intervals by their sum: ``elapsed()`` is unchanged, memory stays
+            constant however long the timer runs (``mean()`` then sees one interval)."""
+            if len(self._intervals) > 1:
+                self._intervals[:] = [sum(self._records()) / 1000.0]
 
         def reset(self) -> None:
             """Forget every interval and stop."""
@@ -510,6 +516,8 @@ class EngineTimers:
         self.cache = {
             n: timers[n].elapsed(reset=False) for n in self.active_timers() if n in timers
         }
+        for name in self.cache:  # bounded memory without a print (steps_per_print = inf)
+            timers[name].fold()
 
     def snapshot_ms(self) -> dict[str, float]:
         """Every timer's milliseconds since the last report, as of the last ``step()``
