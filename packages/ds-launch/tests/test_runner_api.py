@@ -144,9 +144,8 @@ def test_main_returns_none_on_success_and_exits_with_the_jobs_code(tmp_path, mon
         runner.main(["-q", "--no_local_rank", str(failing)])
     assert info.value.code == 4
     with pytest.raises(SystemExit) as info:
-        runner.main(["--autotuning", "tune", "t.py"])
+        runner.main(["-q", "--bogus_flag", "t.py"])
     assert info.value.code == 2
-    assert "--autotuning is not implemented" in capsys.readouterr().err
 
 
 def test_launch_parse_args_has_deepspeeds_attributes():

@@ -77,6 +77,8 @@ class NotImplementedFeature:
             tensor parallelism, like DeepSpeed's default 0).
         switch: the name of the on/off flags (``compile`` uses ``deepcompile``).
         note: extra advice for the error message (e.g. what to use instead).
+        implemented_by: the ds module that implements the section with DeepSpeed's layout:
+            values that ask for the feature are accepted (sub-keys still checked).
     """
 
     feature: str
@@ -86,6 +88,7 @@ class NotImplementedFeature:
     inert: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     switch: str = "enabled"
     note: str = ""
+    implemented_by: str = ""
 
     def requested(self, key: str, value: Any) -> bool:
         """Whether ``value`` of top-level ``key`` asks for the feature (see [Note: refused
@@ -209,6 +212,7 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "min_train_micro_batch_size_per_gpu": 1,
             "num_tuning_micro_batch_sizes": 3,
         },
+        implemented_by="ds_engine.autotuning",
     ),
     "hybrid_engine": NotImplementedFeature(
         "the hybrid (RLHF training + inference) engine",
@@ -351,7 +355,7 @@ class FeatureSettings(Section):
         values: dict[str, Any] = {}
         for key, row in NOT_IMPLEMENTED.items():
             value = config.get(key)
-            if row.requested(key, value):
+            if row.requested(key, value) and not row.implemented_by:
                 raise row.refusal(key, value)
             values[key] = row.settings(value)
         super().__init__(values)

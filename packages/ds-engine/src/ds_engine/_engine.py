@@ -40,6 +40,7 @@ from ds_engine._placement import (
 )
 from ds_engine._progress import Progress, numerics_table
 from ds_engine.api import ConfigError, DeepSpeedConfig
+from ds_engine.autotuning._probe import start_probe
 from ds_engine.utils.timer import EngineTimers
 from ds_optim import GradientStep, build_loss_scaler
 from ds_zero import MemoryBreakdown
@@ -128,6 +129,7 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
         self.flops_profiler = self._flops.profiler  # DeepSpeed's attribute (None: disabled)
         self.progress = Progress(rank=self.global_rank, steps_per_print=config.steps_per_print)
         self.monitor = build_monitor(config, rank=self.global_rank)
+        self._autotuning = start_probe(config.unimplemented.autotuning, self)
         self._setup_data_efficiency()
         self.training_dataloader: DeepSpeedDataLoader | None = None
         if training_data is not None:
@@ -306,6 +308,8 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self._flops.step_done(self.global_steps - 1, self.global_steps)
         self._report()
+        if self._autotuning is not None:  # an autotuning experiment: measure, report, exit
+            self._autotuning.after_step(self)
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` changed the parameters: False off the accumulation

@@ -29,10 +29,8 @@ from ds_launch.api import (
 __all__ = ["build_parser", "config_from_args", "main", "parse_args"]
 
 # DeepSpeed launcher flags ds-launch does not implement: what to do instead. Using one is an
-# error that says so. ``--autotuning`` is DeepSpeed 0.19's; the others are older DeepSpeed's.
+# error that says so. They are older DeepSpeed's.
 _UNSUPPORTED = {
-    "--autotuning": "DeepSpeed's autotuner is not part of ds; tune the config by hand, or run "
-    "DeepSpeed's autotuner and use the config it writes",
     "--elastic_training": "elastic training is not part of ds; restart the job with the new "
     "node count (checkpoints reshard on load)",
     "--min_elastic_nodes": "elastic training is not part of ds; pick the node count with "
@@ -87,6 +85,9 @@ _FLAGS: dict[str, tuple[tuple[tuple[str, ...], dict[str, Any]], ...]] = {
             "not through python"}),
         (("--no_local_rank",), {"action": "store_true", "help": "do not pass --local_rank=N to "
             "the user program"}),
+        (("--autotuning",), {"default": "", "choices": ("tune", "run"), "help": "tune: run "
+            "ds-autotune (predict each candidate's memory, time those that fit, write the best "
+            "config to autotuning.results_dir); run: then train with it"}),
     ),
     "ranks": (
         (("--enable_each_rank_log",), {"default": None, "metavar": "DIR", "help": "also write "
@@ -220,7 +221,10 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script: parse, launch, return the exit code (2 for a usage error)."""
-    args = parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(words)
+    if args.autotuning:
+        return _autotune(words)
     try:
         config = config_from_args(args)
         from ds_launch._launch import launch  # after parsing: --help and usage errors stay fast
@@ -229,6 +233,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"ds-launch: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _autotune(words: list[str]) -> int:
+    """``--autotuning tune|run``: hand the whole command line to ds-engine's ``ds-autotune``
+    in a new process (ds-launch itself never imports torch)."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("ds_engine") is None:
+        print("ds-launch: error: --autotuning needs ds-engine installed (it runs ds-autotune)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return subprocess.call([sys.executable, "-m", "ds_engine.autotuning", *words])
 
 
 if __name__ == "__main__":
