@@ -183,6 +183,61 @@ def test_partition_activations_in_cpu() -> None:
     run_on_ranks(_partition_body, 2, True)
 
 
+def _contiguous_body(rank: int, world_size: int, in_cpu: bool) -> None:
+    from ds_engine import checkpointing
+
+    def run(ckpt, slots: int) -> tuple[list[torch.Tensor], list[checkpointing._Saved]]:
+        saved: list[checkpointing._Saved] = []
+        original = checkpointing._Saved.__init__
+
+        def spy(self, t, options, position=0):
+            original(self, t, options, position)
+            saved.append(self)
+
+        checkpointing.configure(
+            _WorldMpu(),
+            deepspeed_config={
+                "activation_checkpointing": {
+                    "partition_activations": True,
+                    "contiguous_memory_optimization": True,
+                    "cpu_checkpointing": in_cpu,
+                    "number_checkpoints": slots,
+                }
+            },
+        )
+        torch.manual_seed(0)
+        blocks = [Block(0.2) for _ in range(3)]
+        x = torch.randn(5, 6, requires_grad=True)
+        torch.manual_seed(7)
+        checkpointing._Saved.__init__ = spy
+        try:
+            h = x
+            for block in blocks:
+                h = block(h) if ckpt is None else ckpt(block, h)
+            h.pow(2).sum().backward()
+        finally:
+            checkpointing._Saved.__init__ = original
+        return [p.grad for b in blocks for p in b.parameters()] + [x.grad], saved
+
+    got, saved = run(checkpointing.checkpoint, 3)
+    # The three checkpoints' slices sit back to back in one buffer (one storage).
+    assert len({s.data.untyped_storage().data_ptr() for s in saved}) == 1
+    offsets = [s.data.storage_offset() for s in saved]
+    assert offsets == [k * -(-30 // world_size) for k in range(3)]
+    assert saved[0].data.device.type == ("cpu" if in_cpu else saved[0].device.type)
+    with pytest.raises(ValueError, match="number_checkpoints = 2"):
+        run(checkpointing.checkpoint, 2)
+    checkpointing.configure(None)
+    checkpointing.reset()
+    want, _ = run(None, 3)
+    _same(got, want)
+
+
+@pytest.mark.parametrize("in_cpu", [False, True])
+def test_contiguous_memory_optimization(in_cpu: bool) -> None:
+    run_on_ranks(_contiguous_body, 2, in_cpu)
+
+
 def test_configure_options(tmp_path) -> None:
     from ds_engine import checkpointing
 
@@ -204,7 +259,7 @@ def test_configure_options(tmp_path) -> None:
         None, deepspeed_config=DeepSpeedConfig.from_dict({"train_batch_size": 8})
     )
     assert not checkpointing._options.checkpoint_in_cpu
-    with pytest.raises(NotImplementedError, match="contiguous"):
+    with pytest.raises(ValueError, match="partition_activations"):
         checkpointing.configure(None, contiguous_checkpointing=True)
     with pytest.raises(ValueError, match="mpu"):
         checkpointing.configure(None, partition_activations=True)

@@ -204,7 +204,9 @@ def configure(
         deepspeed_config: a ``DeepSpeedConfig``, a config dict, or a config file path (JSON,
             HJSON) or base64 string.
         partition_activations: keep ``1/mp`` of each saved input per model-parallel rank.
-        contiguous_checkpointing: not implemented (refused when true).
+        contiguous_checkpointing: pack the partitioned saved inputs of one forward into one
+            preallocated buffer per input position (see [Note: contiguous checkpoints]);
+            needs ``partition_activations`` and ``num_checkpoints``.
         num_checkpoints: number of checkpoints per forward (sizes contiguous buffers).
         checkpoint_in_cpu: keep the saved inputs in host memory.
         synchronize: synchronize the accelerator around each checkpoint's forward and backward.
@@ -227,10 +229,16 @@ def configure(
             given[name] = value
     for name, value in given.items():
         setattr(chosen, name, value if name == "num_checkpoints" else bool(value))
-    if chosen.contiguous_checkpointing:
-        raise NotImplementedError(
-            "activation checkpointing's contiguous_memory_optimization "
-            "(contiguous_checkpointing) is not implemented in ds; set it to false"
+    if chosen.contiguous_checkpointing and not chosen.partition_activations:
+        raise ValueError(
+            "activation_checkpointing.contiguous_memory_optimization = true packs the "
+            "partitioned saved inputs: it needs partition_activations = true (as DeepSpeed)"
+        )
+    if chosen.contiguous_checkpointing and not chosen.num_checkpoints:
+        raise ValueError(
+            "activation_checkpointing.contiguous_memory_optimization = true sizes one buffer "
+            "per saved input by number_checkpoints: set number_checkpoints (or call "
+            "set_num_layers) to the number of checkpoints in one forward"
         )
     if chosen.partition_activations and mpu_ is None:
         raise ValueError(
@@ -239,6 +247,7 @@ def configure(
         )
     global _options
     _options = chosen
+    _contiguous.clear()
 
 
 def is_configured() -> bool:
@@ -252,9 +261,63 @@ def set_num_layers(nlayers: int) -> None:
 
 
 def reset() -> None:
-    """Release buffers kept between forward and backward (DeepSpeed's, for evaluation loops
-    that run forwards without backward). ds keeps the saved inputs on the autograd graph only,
-    so they are freed with it and there is nothing to release."""
+    """Start the next forward's contiguous buffers afresh (DeepSpeed's, for evaluation loops
+    that run forwards with gradients but without backward); the saved inputs themselves live
+    on the autograd graph and are freed with it."""
+    _contiguous.clear()
+
+
+# [Note: contiguous checkpoints]
+# With ``partition_activations`` every checkpoint keeps a 1/mp slice of each tensor input until
+# its backward, many small allocations of the same few sizes that live through the whole
+# forward and die in reverse order in backward: over a long model they fragment the device
+# allocator between the larger, short-lived activations. ``contiguous_memory_optimization``
+# (DeepSpeed's) instead copies the slice of input ``i`` of the ``k``-th checkpoint of a forward
+# into slot ``k`` of one buffer per input position ``i``, allocated at the forward's first
+# checkpoint with ``number_checkpoints`` slots: one allocation per input position per forward,
+# freed as a whole when the last checkpoint's backward drops its slot. (DeepSpeed allocates a
+# list of ``number_checkpoints`` separate tensors instead, which keeps the allocation count but
+# not the contiguity.) The first backward ends the forward's buffers: the next forward starts
+# new ones, while the slots saved for the running backward keep the old ones alive.
+
+
+class _ContiguousBuffers:
+    """The current forward's buffers: per input position, a flat tensor and the next slot."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.next: list[int] = []
+
+    def clear(self) -> None:
+        self.buffers, self.next = [], []
+
+    def place(self, position: int, part: torch.Tensor, slots: int) -> torch.Tensor:
+        """Copy ``part`` (flat) into the next slot of position ``position``'s buffer."""
+        if position == len(self.buffers):
+            buffer = part.new_empty(slots * part.numel())
+            self.buffers.append(buffer)
+            self.next.append(0)
+        buffer, k = self.buffers[position], self.next[position]
+        size = buffer.numel() // slots
+        if k >= slots:
+            raise ValueError(
+                f"activation checkpointing: more than number_checkpoints = {slots} checkpoints "
+                "in one forward; raise number_checkpoints, or call "
+                "deepspeed.checkpointing.reset() after a forward that ran no backward"
+            )
+        if part.numel() != size or part.dtype != buffer.dtype or part.device != buffer.device:
+            raise ValueError(
+                f"activation checkpointing: input {position} of checkpoint {k} has "
+                f"{part.numel()} {part.dtype} elements on {part.device}, but the contiguous "
+                f"buffer holds slots of {size} {buffer.dtype} on {buffer.device}; "
+                "contiguous_memory_optimization needs every checkpoint of a forward to take "
+                "inputs of the same sizes (set it to false otherwise)"
+            )
+        self.next[position] = k + 1
+        return buffer.narrow(0, k * size, size).copy_(part)
+
+
+_contiguous = _ContiguousBuffers()
 
 
 # --- checkpoint --------------------------------------------------------------------------------
@@ -295,7 +358,7 @@ def _rng_as(snapshot: _RngSnapshot) -> Iterator[None]:
 class _Saved:
     """One saved input tensor: as is, on the CPU and/or this rank's part of it."""
 
-    def __init__(self, t: torch.Tensor, options: _Options) -> None:
+    def __init__(self, t: torch.Tensor, options: _Options, position: int = 0) -> None:
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.requires_grad = t.requires_grad
         self.group = None
@@ -312,6 +375,9 @@ class _Saved:
             data = data.to("cpu", copy=True)
         elif self.group is None:
             data = data.clone() if options.partition_activations else data
+        if options.contiguous_checkpointing and self.group is not None:
+            assert options.num_checkpoints is not None  # configure() checked
+            data = _contiguous.place(position, data, options.num_checkpoints)
         self.data = data
 
     def load(self) -> torch.Tensor:
@@ -342,7 +408,8 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.plain = [None if torch.is_tensor(a) else a for a in args]
         if options.partition_activations or options.checkpoint_in_cpu:
-            ctx.saved = [_Saved(a, options) for a in args if torch.is_tensor(a)]
+            tensors = [a for a in args if torch.is_tensor(a)]
+            ctx.saved = [_Saved(a, options, i) for i, a in enumerate(tensors)]
         else:
             ctx.saved = None
             ctx.save_for_backward(*(a for a in args if torch.is_tensor(a)))
@@ -357,6 +424,8 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         options = ctx.options
+        if options.contiguous_checkpointing:
+            _contiguous.clear()  # this forward's buffers end (see [Note: contiguous checkpoints])
         _sync(options)
         start = time.perf_counter()
         if ctx.saved is not None:
