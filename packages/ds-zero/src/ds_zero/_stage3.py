@@ -229,9 +229,15 @@ class Stage3Hooks:
         self._keep: dict[int, set[int]] = {}  # trace index -> ds_ids to keep after its forward
         self._open: list[int] = []  # event index of each module whose forward is running
         self._leaf: list[torch.nn.Module] = []  # the leaf module whose forward is running
+        # Under torch.compile the hooks run eagerly (a graph break around each): they gather and
+        # release storage and keep Python state that dynamo cannot trace (docs/compile.md).
+        pre, post = (
+            torch._dynamo.disable(self._forward_pre),
+            torch._dynamo.disable(self._forward_post),
+        )
         for m in self._modules:
-            self._handles.append(m.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(m.register_forward_hook(self._forward_post))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post))
         for m in model.modules():
             params = m.__dict__.get("_parameters")
             if isinstance(params, dict) and not isinstance(params, _ZeroParams):
