@@ -14,6 +14,12 @@ stage 1) and records the losses DeepSpeed computes from there (``resumed``). Eve
 to ``<out>/expected.json``, with the model, data and config written out in full. Every loss is
 the mean over the whole global batch, so it does not depend on the number of ranks.
 
+``... make_universal_checkpoint.py resume <load_dir> --world W --stage S`` instead makes
+DeepSpeed load the universal folder ``<load_dir>/latest_universal`` names (one ``ds-to-universal``
+wrote, in ds's tests) with ``checkpoint.load_universal`` on ``W`` ranks at ZeRO stage ``S``,
+train ``RESUME_STEPS`` steps and print ``RESULT {json}`` (the losses, the global step it resumed
+at, the learning rate).
+
 This script is not imported by ds; it exists so the fixtures can be regenerated and audited.
 """
 
@@ -109,7 +115,9 @@ def _worker(rank: int, world: int, job: dict, port: int, queue) -> None:
         out["continued"] = _steps(engine, TRAIN_STEPS, rank, world)
     else:
         engine.load_checkpoint(job["save_dir"])
+        out["first_step"] = engine.global_steps
         out["resumed"] = _steps(engine, TRAIN_STEPS, rank, world)
+        out["lr"] = engine.get_lr()[0]
     if rank == 0:
         queue.put(out)
     import torch.distributed as dist
@@ -126,7 +134,18 @@ def _run(world: int, job: dict, port: int) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, world, job, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=600)
+    result = None
+    for _ in range(600):  # a rank that fails exits: stop waiting for its result
+        try:
+            result = queue.get(timeout=1)
+            break
+        except Exception:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    if result is None:
+        raise TimeoutError("no result from rank 0 in 600 s")
     for p in procs:
         p.join(600)
         if p.exitcode != 0:
@@ -134,7 +153,24 @@ def _run(world: int, job: dict, port: int) -> dict:
     return result
 
 
+def resume_universal() -> None:
+    """DeepSpeed resumes a universal folder (``resume <load_dir> --world W --stage S``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="DeepSpeed loads a universal checkpoint")
+    parser.add_argument("load_dir")
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--stage", type=int, required=True)
+    args = parser.parse_args(sys.argv[2:])
+    job = {"kind": "resume", "stage": args.stage, "save_dir": args.load_dir}
+    result = _run(args.world, job, 29700 + os.getpid() % 200)
+    print("RESULT " + json.dumps(result))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "resume":
+        resume_universal()
+        return
     import deepspeed
 
     out = Path(sys.argv[1])

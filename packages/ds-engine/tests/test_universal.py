@@ -9,7 +9,9 @@ trajectory."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,63 @@ def test_deepspeed_universal_folder_continues_deepspeeds_losses(tmp_path: Path, 
     if "resumed" in want:
         torch.testing.assert_close(got, want["resumed"], rtol=RTOL, atol=0)
     torch.testing.assert_close(got, want["continued"], rtol=RTOL, atol=0)
+
+
+# --- ds -> universal -> DeepSpeed ---------------------------------------------------------------
+
+DSREF_PYTHON = Path("/tmp/dsref/bin/python")
+UNIVERSAL_SCRIPT = Path(__file__).parents[3] / "tools" / "compat" / "make_universal_checkpoint.py"
+
+
+def _train_net_save_continue(rank: int, world: int, stage: int, save_dir: str) -> list[float]:
+    """The fixture script's ``Net`` (names ``fc1.*``, ``fc2.*``, as DeepSpeed's model has)."""
+    torch.manual_seed(0)
+    engine = _engine(Net(), stage, world, universal=False)
+    forward = lambda e, x, y: e(x, y)  # noqa: E731
+    _steps(engine, 0, STEPS, rank, world, forward)
+    engine.save_checkpoint(save_dir, tag="step3")
+    return _steps(engine, STEPS, STEPS, rank, world, forward)
+
+
+def deepspeed_resumes_universal(load_dir: Path, world: int, stage: int) -> dict:
+    """Real DeepSpeed loads ``load_dir``'s universal folder (``checkpoint.load_universal``) on
+    ``world`` ranks at ``stage`` and trains 3 steps: ``{"resumed": losses, "first_step": ...}``."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
+    command = [str(DSREF_PYTHON), str(UNIVERSAL_SCRIPT), "resume", str(load_dir)]
+    command += ["--world", str(world), "--stage", str(stage)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def make_ds_universal(tmp_path: Path, world: int, stage: int) -> tuple[Path, list[float]]:
+    """ds trains 3 steps on ``world`` ranks at ``stage``, saves, and ``ds-to-universal``
+    converts the checkpoint: the save dir and the uninterrupted run's next 3 losses."""
+    from ds_engine.checkpoint.ds_to_universal import main
+
+    save_dir = tmp_path / "ckpt"
+    continued = run_on_ranks(_train_net_save_continue, world, stage, str(save_dir), timeout=300)
+    args = ["--input_folder", str(save_dir / "step3"), "--output_folder"]
+    assert main([*args, str(save_dir / "step3_universal"), "--inject_missing_state"]) == 0
+    return save_dir, continued[0]
+
+
+_TO_DEEPSPEED = [((2, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 3), (1, 2)), ((1, 3), (2, 1))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DSREF_PYTHON.exists(), reason=f"no DeepSpeed at {DSREF_PYTHON}")
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    _TO_DEEPSPEED,
+    ids=[f"w{a}z{b}-to-w{c}z{d}" for (a, b), (c, d) in _TO_DEEPSPEED],
+)
+def test_ds_universal_folder_resumes_in_deepspeed(tmp_path: Path, saved, loaded) -> None:
+    """ds (``saved`` = world size, stage) -> ``ds-to-universal`` -> real DeepSpeed 0.19.8 with
+    ``checkpoint: {load_universal: true}`` (``loaded``): DeepSpeed's next 3 losses equal the
+    uninterrupted ds run's (relative 1e-5)."""
+    save_dir, continued = make_ds_universal(tmp_path, *saved)
+    result = deepspeed_resumes_universal(save_dir, *loaded)
+    assert result["first_step"] == STEPS
+    torch.testing.assert_close(result["resumed"], continued, rtol=RTOL, atol=0)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,18 @@ from typing import Any
 import torch
 
 import ds_zero
-from ds_engine._deepspeed_ckpt import is_deepspeed_checkpoint, load_file, read_checkpoint
-from ds_engine._deepspeed_ckpt._pickle import save_file
+from ds_engine._deepspeed_ckpt import (
+    DEEPSPEED_VERSION,
+    is_deepspeed_checkpoint,
+    load_file,
+    read_checkpoint,
+)
+from ds_engine._deepspeed_ckpt._pickle import (
+    DynamicLossScalerState,
+    LossScalerState,
+    ZeroStage,
+    save_file,
+)
 
 __all__ = ["UNIVERSAL_CHECKPOINT_INFO", "convert_to_universal", "main", "parse_arguments"]
 
@@ -89,14 +99,28 @@ def _model_files(source: Path) -> list[Path]:
     return files
 
 
-def _check_info(files: Sequence[Path], inject: bool) -> list[tuple[Path, dict[str, Any] | None]]:
-    """Each model-states file, with its content when ``universal_checkpoint_info`` had to be
-    injected (None: copied as it is)."""
+def _deepspeed_keys(state: dict[str, Any]) -> None:
+    """Make a ds model-states file readable by DeepSpeed's ``load_checkpoint`` too: it needs
+    ``mp_world_size`` and finds the client state at the top level (ds nests it under
+    ``client_state``, which ds's universal load keeps reading)."""
+    state.setdefault("mp_world_size", 1)
+    for key, value in dict(state.get("client_state") or {}).items():
+        state.setdefault(key, value)
+
+
+def _check_info(
+    files: Sequence[Path], inject: bool, from_ds: bool
+) -> list[tuple[Path, dict[str, Any] | None]]:
+    """Each model-states file, with its content when it had to change (None: copied as it
+    is): ``universal_checkpoint_info`` injected, and, from a ds checkpoint (``from_ds``),
+    DeepSpeed's engine keys added (see :func:`_deepspeed_keys`)."""
     out: list[tuple[Path, dict[str, Any] | None]] = []
     for file in files:
         state = dict(load_file(file))  # never runs code; DeepSpeed's types allowed
+        if from_ds:
+            _deepspeed_keys(state)
         if UNIVERSAL_CHECKPOINT_INFO in state:
-            out.append((file, None))
+            out.append((file, state if from_ds else None))
             continue
         if UNIVERSAL_CHECKPOINT_INFO not in state:
             if not inject:
@@ -171,8 +195,9 @@ def _merge(
             parts = sorted(folder.glob(f"{state}.*"), key=lambda p: int(p.suffix[1:]))
             flat = torch.cat([torch.load(p, weights_only=True) for p in parts])
             torch.save({"param": flat.view(shapes[name]), "cat_dim": 0}, out / f"{state}.pt")
-        if step is not None:
-            torch.save(step, out / "step.pt")
+        if step is not None:  # a float tensor, as torch's optimizers (and DeepSpeed) keep it
+            value = step.item() if torch.is_tensor(step) else step
+            torch.save(torch.tensor(float(value)), out / "step.pt")
 
     _parallel(work, list(shapes), workers)
 
@@ -191,17 +216,51 @@ def _problems(shapes: dict[str, tuple[int, ...]], zero: Path) -> list[str]:
     return problems
 
 
+def _loss_scaler(saved: Any) -> LossScalerState:
+    """DeepSpeed's loss-scaler object for a saved scaler: None (fp32, bf16), ds's scaler state
+    dict (``cur_iter`` when dynamic) or a DeepSpeed scaler's attributes (``dynamic``)."""
+    saved = vars(saved) if hasattr(saved, "__dict__") else saved
+    if not isinstance(saved, Mapping):
+        return LossScalerState(cur_scale=1.0, dynamic=False)
+    if "dynamic" in saved:  # a DeepSpeed scaler's own attributes
+        kind = DynamicLossScalerState if saved["dynamic"] else LossScalerState
+        return kind(**saved)
+    if "cur_iter" not in saved:
+        return LossScalerState(cur_scale=float(saved["cur_scale"]), dynamic=False)
+    return DynamicLossScalerState(
+        cur_scale=float(saved["cur_scale"]),
+        dynamic=True,
+        cur_iter=int(saved["cur_iter"]),
+        last_overflow_iter=int(saved.get("last_overflow_iter", -1)),
+        cur_hysteresis=int(saved.get("cur_hysteresis", 2)),
+        scale_factor=float(saved.get("scale_factor", 2.0)),
+        scale_window=int(saved.get("scale_window", 1000)),
+        min_scale=saved.get("min_scale", 1),
+        delayed_shift=int(saved.get("delayed_shift", 2)),
+        consecutive_hysteresis=bool(saved.get("consecutive_hysteresis", False)),
+        raise_error_at_min_scale=bool(saved.get("raise_error_at_min_scale", True)),
+        dtype=torch.float16,
+    )
+
+
 def _optimizer_state(scalars: dict[str, Any], stage: Any) -> tuple[dict[str, Any], Any]:
+    """``zero/optimizer_state.pt``: DeepSpeed's global optimizer state (the keys its
+    ``_load_global_state`` reads: the loss scaler object, ``dynamic_loss_scale``, ``overflow``,
+    ``zero_stage``, ``ds_version``, ``param_groups``), plus ds's ``counters``; and the step."""
     groups = []
     step = None
     for g in scalars["param_groups"]:
         groups.append({**g["hyper"], "params": []})
         if step is None and "step" in g["state"]:
             step = g["state"]["step"]
+    scaler = _loss_scaler(scalars.get("loss_scaler"))
     state = {
         "param_groups": groups,
-        "loss_scaler": scalars.get("loss_scaler"),
-        "zero_stage": stage,
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)),
+        "overflow": False,
+        "zero_stage": ZeroStage(int(stage)),
+        "ds_version": DEEPSPEED_VERSION,
         "counters": scalars.get("counters", {}),
     }
     return state, step
@@ -231,8 +290,9 @@ def convert_to_universal(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} = {value!r}: expected a whole number >= 1")
     source, out = Path(input_folder), Path(output_folder)
-    models = _check_info(_model_files(source), inject_missing_state)
-    view = _DeepSpeedSource(source) if is_deepspeed_checkpoint(source) else None
+    from_deepspeed = is_deepspeed_checkpoint(source)
+    models = _check_info(_model_files(source), inject_missing_state, not from_deepspeed)
+    view = _DeepSpeedSource(source) if from_deepspeed else None
     view = view or ds_zero.CheckpointView(source)
     zero, temp = out / "zero", out / "tmp"
     shutil.rmtree(out, ignore_errors=True)
@@ -246,7 +306,7 @@ def convert_to_universal(
     finally:
         view.close()
     print("*** 3. Saving common optimizer states", file=sys.stderr)
-    torch.save(optimizer_state, zero / "optimizer_state.pt")
+    save_file(optimizer_state, zero / "optimizer_state.pt")  # DeepSpeed's class names
     if not keep_temp_folder:
         shutil.rmtree(temp, ignore_errors=True)
     for file, state in models:
