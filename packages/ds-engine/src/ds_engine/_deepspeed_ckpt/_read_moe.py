@@ -25,11 +25,14 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError, load_file
+
+if TYPE_CHECKING:
+    from ds_engine._deepspeed_ckpt._read import DeepSpeedState
 
 __all__ = ["EXPERT_PARAM", "read_moe_optimizer"]
 
@@ -117,7 +120,9 @@ def _names(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
 
 
-def _read_stage0(state: Any, weights: Mapping[str, torch.Tensor], trainable: Sequence[str]) -> None:
+def _read_stage0(
+    state: DeepSpeedState, weights: Mapping[str, torch.Tensor], trainable: Sequence[str]
+) -> None:
     files = _expp_files(state.path)
     if not files:
         raise DeepSpeedCheckpointError(
@@ -173,19 +178,25 @@ def _read_stage0(state: Any, weights: Mapping[str, torch.Tensor], trainable: Seq
 
 
 def _read_zero(
-    state: Any, files: Mapping[int, Path], trainable: Sequence[str], model: Mapping[str, Any]
+    state: DeepSpeedState,
+    files: Mapping[int, Path],
+    trainable: Sequence[str],
+    model: Mapping[str, Any],
 ) -> None:
     """Stages 1-2: each rank's ZeRO file; expert groups partitioned over the expert-data-
     parallel group (see [Note: DeepSpeed's MoE optimizer files])."""
     world = len(files)
     layers, num_experts = _checked_layers(trainable, state.engine, state.model_file)
-    sds = [load_file(files[r]).get("optimizer_state_dict") for r in range(world)]
-    for r, sd in enumerate(sds):
+    sds: list[Mapping[str, Any]] = []
+    for r in range(world):
+        loaded = load_file(files[r])
+        sd = loaded.get("optimizer_state_dict") if isinstance(loaded, Mapping) else None
         if not isinstance(sd, Mapping) or "single_partition_of_fp32_groups" not in sd:
             raise DeepSpeedCheckpointError(
                 f"{str(files[r])!r} has no optimizer_state_dict.single_partition_of_fp32_groups "
                 "(MoE is read at ZeRO stages 0-2)"
             )
+        sds.append(sd)
     base = [sd["base_optimizer_state"] for sd in sds]
     param_groups = base[0]["param_groups"]
     shapes = list(model.get("param_shapes") or [])
@@ -275,7 +286,7 @@ def _cut(
 
 
 def read_moe_optimizer(
-    state: Any,
+    state: DeepSpeedState,
     files: Mapping[int, Path],
     model: Mapping[str, Any],
     weights: Mapping[str, torch.Tensor],
