@@ -18,7 +18,6 @@ _DEEPCOMPILE = "DeepCompile (the 'compile' config's passes) is not implemented i
 _DATA_EFFICIENCY = (
     "random layer-token drop (data_efficiency.data_routing.random_ltd) is not implemented in ds"
 )
-_AUTOTUNING = "the autotuner is not implemented in ds"
 
 ABSENT: dict[str, str] = {
     "all_gather_scalar": _REDUCTION,
@@ -54,9 +53,6 @@ ABSENT: dict[str, str] = {
     "register_compile_pass": _DEEPCOMPILE,
     "is_deepcompile_active": _DEEPCOMPILE + "; engine.compile() is a plain torch.compile",
     "random_ltd_initialize": _DATA_EFFICIENCY,
-    "autotuning_metric_path": _AUTOTUNING,
-    "autotuning_model_info_path": _AUTOTUNING,
-    "autotuning_profile_model_info": _AUTOTUNING,
     "load_moe_state_dict": (
         "DeepSpeed's MoE checkpoint reader; load_checkpoint() restores ds-moe's expert files"
     ),

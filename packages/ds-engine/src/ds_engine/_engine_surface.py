@@ -186,6 +186,27 @@ class EngineSurface:
         section = self._config.scheduler
         return dict(section.params) if section is not None else None
 
+    def autotuning_metric_path(self) -> str:
+        """Where an autotuning experiment writes its metrics (default
+        ``./autotuning_metric.json``, as DeepSpeed)."""
+        from ds_engine.autotuning import AutotuningConfig
+
+        return AutotuningConfig.from_section(self._config.unimplemented.autotuning).metric_file
+
+    def autotuning_model_info_path(self) -> str:
+        """Where it writes the model information (default ``./autotuning_model_info.json``)."""
+        from ds_engine.autotuning import AutotuningConfig
+
+        config = AutotuningConfig.from_section(self._config.unimplemented.autotuning)
+        return config.model_info_file
+
+    def autotuning_profile_model_info(self) -> bool:
+        """Whether this run profiles the model information (``autotuning.enabled`` and
+        ``model_info.profile``)."""
+        section = self._config.unimplemented.autotuning
+        info = section.model_info
+        return bool(section.enabled and info and info.get("profile"))
+
     def get_type(self) -> list[Any]:
         """Each param group's ``type`` entry (0.0 where a group has none), as DeepSpeed."""
         if self.optimizer is None:
