@@ -28,11 +28,11 @@ __all__ = ["AutotuningProbe", "start_probe"]
 
 
 def start_probe(section: Any, engine: Any) -> AutotuningProbe | None:
-    """A probe when the config's ``autotuning.enabled`` is true, else None."""
-    config = AutotuningConfig.from_section(section)
-    if not config.enabled:
+    """A probe when the config's ``autotuning.enabled`` is true, else None (a disabled
+    section is inert, whatever its other keys say, as in DeepSpeed)."""
+    if section is None or not section.get("enabled", False):
         return None
-    return AutotuningProbe(config, engine)
+    return AutotuningProbe(AutotuningConfig.from_section(section), engine)
 
 
 class AutotuningProbe:
