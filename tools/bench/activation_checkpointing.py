@@ -133,7 +133,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description="activation checkpointing memory bench")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -231,10 +231,8 @@ class Stage3Hooks:
         self._leaf: list[torch.nn.Module] = []  # the leaf module whose forward is running
         # Under torch.compile the hooks run eagerly (a graph break around each): they gather and
         # release storage and keep Python state that dynamo cannot trace (docs/compile.md).
-        pre, post = (
-            torch._dynamo.disable(self._forward_pre),
-            torch._dynamo.disable(self._forward_post),
-        )
+        pre = cast(Callable[..., Any], torch._dynamo.disable(self._forward_pre))
+        post = cast(Callable[..., Any], torch._dynamo.disable(self._forward_post))
         for m in self._modules:
             self._handles.append(m.register_forward_pre_hook(pre))
             self._handles.append(m.register_forward_hook(post))
