@@ -347,3 +347,18 @@ def test_zero_to_fp32_refuses_a_corrupted_engine_checkpoint(saved: Path, tmp_pat
     assert set(consolidate(root, tag=TAG, progress=False)) == {
         n for n, _ in make_mlp().named_parameters()
     }
+
+
+@pytest.mark.parametrize("file", ["zero/zero_shards_rank00000.pt", "mp_rank_00_model_states.pt"])
+def test_ds_to_universal_refuses_a_corrupted_checkpoint(
+    saved: Path, tmp_path: Path, file: str
+) -> None:
+    """The universal conversion reads a ds checkpoint through the verified view only."""
+    from ds_engine.checkpoint.ds_to_universal import convert_to_universal
+    from ds_zero import CheckpointError
+
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    _flip(root / TAG / file)
+    with pytest.raises(CheckpointError, match=rf"{file} corrupted"):
+        convert_to_universal(root / TAG, tmp_path / "universal", inject_missing_state=True)
