@@ -16,7 +16,7 @@ from typing import Any
 from torch.autograd import Variable
 
 from ds_comm.accelerator import get_accelerator
-from ds_engine.utils.logging import logger, print_dist
+from ds_engine.utils.logging import get_dist_msg, logger, print_dist
 
 __all__ = [
     # DeepSpeed's timer names
@@ -402,11 +402,7 @@ class EngineTimers:
             BACKWARD_REDUCE_GLOBAL_TIMER,
             STEP_GLOBAL_TIMER,
         ]
-        self.optimizer_timers = [
-            OPTIMIZER_GRADIENTS_TIMER,
-            OPTIMIZER_STEP_TIMER,
-            OPTIMIZER_ALLGATHER_TIMER,
-        ]
+        self.optimizer_timers = list(OPTIMIZER_TIMERS)  # DeepSpeed's print order
         self.cache: dict[str, float] = {}
         self._micro_steps = 0
         self._global_steps = 0
@@ -525,9 +521,10 @@ class EngineTimers:
         return dict(self.cache)
 
     def report(self, optimizer_steps: int) -> list[str]:
-        """The breakdown lines (``time (ms) | fwd_microstep: ...``), means per micro-step for
-        the micro timers and per optimizer step for the others over the steps since the last
-        report; resets every timer."""
+        """DeepSpeed's breakdown lines (``[Rank 0] time (ms) | optimizer_allgather: ...``, then
+        the micro and the global timers), means per micro-step for the micro timers and per
+        optimizer step for the others over the steps since the last report; resets every
+        timer."""
         if not self.enabled:
             return []
         timers = self.timers.get_timers()
@@ -535,14 +532,15 @@ class EngineTimers:
         steps = max(optimizer_steps, 1)
         lines = []
         for names, per in (
+            (self.optimizer_timers, steps),
             (self.micro_timers, micro),
             (self.global_timers, steps),
-            (self.optimizer_timers, steps),
         ):
             present = [n for n in names if n in timers]
             if present:
                 values = (f"{n}: {timers[n].elapsed(reset=True) / per:.2f}" for n in present)
-                lines.append("time (ms) | " + " | ".join(values))
+                line = "time (ms) | " + " | ".join(values)
+                lines.append(get_dist_msg(line, ranks=[-1]) or line)
         self._micro_steps = self._global_steps = 0
         self._at_boundary = {}
         return lines
