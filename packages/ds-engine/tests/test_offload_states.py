@@ -165,17 +165,18 @@ def test_offload_states_refusals_name_the_argument():
     assert "no optimizer" in no_optimizer
 
 
-def _gpu_body(rank: int, world_size: int, *, stage: int) -> tuple[int, int, int]:
+def _gpu_body(rank: int, world_size: int, *, stage: int) -> tuple[int, int, int, int]:
     import torch
 
+    import ds_zero
     from ds_comm.accelerator import get_accelerator
 
     torch.cuda.set_device(0)
     engine = _engine(stage, "bf16")
-    assert next(engine.module.parameters()).is_cuda or stage == 3
     batches = [[t.cuda() for t in b] for b in _batches(0, 2)]
     _train(engine, batches)
     torch.cuda.synchronize()
+    state = sum(ds_zero.resident_state_bytes(engine.optimizer).values())
     before = torch.cuda.memory_allocated()
     engine.offload_states()
     after = torch.cuda.memory_allocated()
@@ -183,12 +184,14 @@ def _gpu_body(rank: int, world_size: int, *, stage: int) -> tuple[int, int, int]
     engine.reload_states()
     reloaded = torch.cuda.memory_allocated()
     _train(engine, batches)
-    return before, after, reloaded
+    return state, before, after, reloaded
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_offload_states_frees_gpu_memory(stage):
-    before, after, reloaded = run_on_ranks(_gpu_body, 1, stage=stage, timeout=300)[0]
-    assert after < before / 4, (before, after)
-    assert reloaded == before, (before, reloaded)
+    state, before, after, reloaded = run_on_ranks(_gpu_body, 1, stage=stage, timeout=300)[0]
+    assert state > 0
+    # Allocations are rounded up to the allocator's block size: at least the state's bytes go.
+    assert before - after >= state, (state, before, after)
+    assert reloaded - after >= state, (state, after, reloaded)
