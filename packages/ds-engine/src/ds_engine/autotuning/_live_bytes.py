@@ -50,6 +50,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
         self.window_peak = 0
+        self._active = False
 
     def __enter__(self) -> LiveTensorBytes:
         with warnings.catch_warnings():  # isinstance() on deprecated torch aliases warns
@@ -59,8 +60,15 @@ class LiveTensorBytes(TorchDispatchMode):
                     self._track(obj, resum=False)
         self.current = self._resum()
         self.peak = max(self.peak, self.current)
+        self._active = True
         super().__enter__()
         return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Stop counting; ``current`` and the peaks keep their last values."""
+        self._active = False
+        self._storages.clear()
+        super().__exit__(*exc)
 
     def mark(self) -> int:
         """Start a window: :attr:`window_peak` restarts from the bytes alive now (returned)."""
@@ -94,7 +102,8 @@ class LiveTensorBytes(TorchDispatchMode):
         if key in self._storages:
             return
         self._storages[key] = weakref.ref(storage)
-        weakref.finalize(storage, self._forget, key)
+        # Not at interpreter exit: each call re-sums what is left, quadratic over a shutdown.
+        weakref.finalize(storage, self._forget, key).atexit = False
         if resum:
             self.current = self._resum()
             self.peak = max(self.peak, self.current)
@@ -104,7 +113,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _forget(self, key: int) -> None:
         ref = self._storages.pop(key, None)
-        if ref is not None:
+        if ref is not None and self._active:
             self.current = self._resum()
 
     def _resum(self) -> int:
