@@ -147,7 +147,7 @@ def main() -> None:
             timed("checksums")
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    params = sum(p.numel() for p in engine.module.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     print(
         f"{params / 1e6:.1f}M parameters, checkpoint {size / 2**20:.0f} MiB, "
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
