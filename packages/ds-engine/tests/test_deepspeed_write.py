@@ -331,3 +331,30 @@ def test_cli_refuses_what_it_cannot_convert(written: Path, tmp_path: Path) -> No
         convert_to_deepspeed(written / "ds_native", tmp_path / "b", param_groups=["weight$", "x"])
     with pytest.raises(DeepSpeedCheckpointError, match=r"no zero/manifest\.json"):
         convert_to_deepspeed(fx.FIXTURES / "zero1_fp32_w2", tmp_path / "c")
+
+
+def _native_body(rank: int, world: int, model: str, stage: int, dtype: str, out: str):
+    """ds trains 3 steps, saves its own checkpoint, and returns its next 2 losses."""
+    engine = _engine(model, stage, dtype, world)
+    _train(engine, model, 0, 3, rank, world, dtype)
+    engine.save_checkpoint(out, client_state=CLIENT)
+    return _train(engine, model, 3, 2, rank, world, dtype)
+
+
+@_needs_deepspeed
+@pytest.mark.slow
+def test_deepspeed_resumes_what_the_cli_converted(tmp_path: Path) -> None:
+    """A ds checkpoint of the two-group model (2 ranks, ZeRO-3, bf16), converted by
+    ``ds-to-deepspeed`` for 1 rank at ZeRO-1, resumes in DeepSpeed on ds's trajectory."""
+    saved, out = tmp_path / "ds", tmp_path / "for_deepspeed"
+    continued = run_on_ranks(_native_body, 2, "groups", 3, "bf16", str(saved), timeout=240)[0]
+    command = [str(Path(sys.executable).with_name("ds-to-deepspeed")), str(saved), str(out)]
+    command += ["--world-size", "1", "--stage", "1"]
+    command += ["--param-group", r"weight$", "--param-group", r"bias$"]
+    command += ["--config", str(_config_file(tmp_path, 1, "bf16", 1))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = deepspeed_resume(out, "groups", 1, 1, "bf16")
+    assert result["first_step"] == 3 and result["client_state"] == CLIENT
+    diff = max(abs(a - b) for a, b in zip(continued, result["losses"]))
+    assert diff <= TOLERANCE["bf16"], (continued, result["losses"], diff)
