@@ -160,8 +160,8 @@ def _partition_body(rank: int, world_size: int, in_cpu: bool) -> None:
     kept: list[int] = []
     original = checkpointing._Saved.__init__
 
-    def spy(self, t, options):
-        original(self, t, options)
+    def spy(self, t, options, position=0):
+        original(self, t, options, position)
         kept.append(self.data.numel())
 
     checkpointing._Saved.__init__ = spy
