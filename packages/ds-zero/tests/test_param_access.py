@@ -146,8 +146,12 @@ def _variant_body(rank: int, world_size: int, stage: int, variant: str) -> None:
 
     model, ref = _model(), _model()
     section: dict = {"stage": stage, "reduce_bucket_size": 40, "allgather_bucket_size": 40}
-    if variant == "offload":
+    if variant in ("offload", "nvme"):
         section["offload_optimizer"] = {"device": "cpu"}
+        if variant == "nvme":  # the moments on NVMe between steps (ZeRO-Infinity at stage 3)
+            import tempfile
+
+            section["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.mkdtemp()}
         optimizer = ds_optim.CPUAdam(model.parameters(), lr=1e-2)
     else:
         model.to(torch.bfloat16)
@@ -166,7 +170,7 @@ def _variant_body(rank: int, world_size: int, stage: int, variant: str) -> None:
         views = ds_zero.param_views(named[name])
         got = views.full("param")
         assert got.dtype == torch.float32
-        if variant == "offload":
+        if variant in ("offload", "nvme"):
             assert torch.allclose(got, want, rtol=TOL, atol=TOL), name
             assert torch.allclose(views.full("exp_avg"), ref_opt.state[want]["exp_avg"], atol=TOL)
         else:  # the fp32 master, whose bf16 rounding is the model's weight
@@ -183,7 +187,8 @@ def _variant_body(rank: int, world_size: int, stage: int, variant: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("stage", "variant"), [(2, "bf16"), (3, "bf16"), (1, "offload"), (2, "offload"), (3, "offload")]
+    ("stage", "variant"),
+    [(2, "bf16"), (3, "bf16"), (1, "offload"), (2, "offload"), (3, "offload"), (3, "nvme")],
 )
 def test_param_views_mixed_precision_and_offload(stage: int, variant: str) -> None:
     run_on_ranks(_variant_body, 2, stage, variant)

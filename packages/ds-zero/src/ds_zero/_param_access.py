@@ -340,6 +340,10 @@ class _Stage3Backend(_Backend):
         self.numel, self.shape = param.ds_numel, torch.Size(param.ds_shape)
         self.device = param.device
         self.start, self.stop = shard_bounds(param.ds_numel, zero.world_size, zero.rank)
+        self.swapped = zero._swap is not None  # ZeRO-Infinity: the state is on NVMe
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        return _swapped_in(self.zero._swap)
 
     def view(self, kind: str, *, create_grad: bool = False) -> torch.Tensor | None:
         slot = self.slot
