@@ -30,7 +30,8 @@ class AutotuningConfig:
         exps_dir: where it writes each experiment's config, command and output.
         overwrite: rerun experiments whose results exist (false: reuse them).
         metric: ``throughput`` (samples/s), ``latency`` (s/step) or ``flops`` (per rank).
-        start_profile_step: first optimizer step timed (steps before it measure memory).
+        start_profile_step: first optimizer step timed (>= 3: the steps before it measure
+            memory, the second of them in the steady state).
         end_profile_step: last step timed; the run exits after it.
         fast: time only the fastest kind of candidate (no offload when that fits).
         max_train_batch_size: cap on micro-batch x accumulation x data-parallel ranks.
@@ -91,10 +92,11 @@ class AutotuningConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"autotuning.{key} = {value!r}: expected an integer >= 1")
-        if self.start_profile_step < 2:
+        if self.start_profile_step < 3:
             raise ConfigError(
-                f"autotuning.start_profile_step = {self.start_profile_step}: expected >= 2 (the "
-                "steps before it measure memory, the ones from it on are timed)"
+                f"autotuning.start_profile_step = {self.start_profile_step}: expected >= 3 (the "
+                "steps before it measure memory: the first allocates the optimizer's state, the "
+                "second is the steady state; the steps from it on are timed)"
             )
         if self.end_profile_step < self.start_profile_step:
             raise ConfigError(

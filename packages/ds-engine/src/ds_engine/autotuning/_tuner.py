@@ -122,7 +122,7 @@ def _profile(job: TuningJob) -> ModelInfo:
     mb = min(job.micro_batch_sizes or (tuning.min_train_micro_batch_size_per_gpu,))
     exp_dir = os.path.join(tuning.exps_dir, "profile")
     config = candidate_config(job.user_config, Candidate(0, mb), tuning, exp_dir)
-    config["autotuning"].update(start_profile_step=2, end_profile_step=2)
+    config["autotuning"].update(start_profile_step=3, end_profile_step=3)
     metrics = run_experiment(
         "profile",
         config,
