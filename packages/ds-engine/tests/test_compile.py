@@ -70,9 +70,8 @@ def _check(reports: list, backend: str) -> None:
 
 
 def test_compiled_engine_matches_uncompiled_at_every_stage():
-    _check(
-        run_on_ranks(_compile_body, 2, stages=[0, 1, 2, 3], compiler="eager", timeout=600), "eager"
-    )
+    reports = run_on_ranks(_compile_body, 2, stages=[0, 1, 2, 3], compiler="eager", timeout=600)
+    _check(reports, "eager")
 
 
 @pytest.mark.slow
