@@ -362,3 +362,65 @@ def test_ds_to_universal_refuses_a_corrupted_checkpoint(
     _flip(root / TAG / file)
     with pytest.raises(CheckpointError, match=rf"{file} corrupted"):
         convert_to_universal(root / TAG, tmp_path / "universal", inject_missing_state=True)
+
+
+# --- a path verifies what it uses ------------------------------------------------------------------
+
+
+def _rechunk(folder: Path, chunk: int) -> None:
+    """Record the directory manifest's file checksums in ``chunk``-byte chunks (resealed), so a
+    small test checkpoint has chunks that hold nothing but optimizer state."""
+    import zlib
+
+    path = folder / "ds_manifest.json"
+    manifest = json.loads(path.read_text())
+    for name, record in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        record["crc32"] = [zlib.crc32(data[at : at + chunk]) for at in range(0, len(data), chunk)]
+    manifest["chunk"] = chunk
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    manifest["manifest_crc32"] = zlib.crc32(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    )
+    path.write_text(json.dumps(manifest))
+
+
+def _optimizer_bytes_body(rank: int, world_size: int, *, root: str) -> str:
+    """A weights-only load reads no optimizer state, so corruption there is not its concern; a
+    full load reads it and refuses on every rank."""
+    from ds_zero import CheckpointError
+
+    engine = _engine(seed=5)
+    engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+    assert engine.global_steps == 2
+    try:
+        engine.load_checkpoint(root, tag=TAG)
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("a full load accepted corrupted optimizer state")
+
+
+def test_optimizer_state_corruption_fails_a_full_load_only(saved: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    chunk = 256
+    _rechunk(root / TAG, chunk)
+    name = "zero/zero_shards_rank00001.pt"
+    record = json.loads((root / TAG / "ds_manifest.json").read_text())["files"][name]
+    entries = record["tensors"]
+    first = min(e["offset"] for e in entries.values())
+    last = max(e["offset"] + e["nbytes"] for e in entries.values())
+    # an exp_avg byte in a chunk that holds neither the file's non-tensor bytes nor a master
+    target = next(
+        (n, e["offset"] + e["nbytes"] // 2)
+        for n, e in entries.items()
+        if n.endswith("/exp_avg")
+        and (e["offset"] + e["nbytes"] // 2) // chunk > first // chunk
+        and (e["offset"] + e["nbytes"] // 2) // chunk < last // chunk
+    )
+    data = bytearray((root / TAG / name).read_bytes())
+    data[target[1]] ^= 0x10
+    (root / TAG / name).write_bytes(bytes(data))
+    results = run_on_ranks(_optimizer_bytes_body, 2, root=str(root), timeout=300)
+    assert results[0] == results[1]
+    assert f"{name} corrupted" in results[0] and repr(target[0]) in results[0], results[0]

@@ -458,10 +458,13 @@ def load_checkpoint(
         return None, None
     # Checksums on threads while the files are read; nothing is written before the verdict
     # (see ds-zero's [Note: verification overlapped with reading]).
-    with start_verification(path) as pending:
+    optimizer = engine.optimizer
+    from_shards = optimizer_states and isinstance(optimizer, _ZERO)
+    # Without the optimizer's states only the fp32 masters of the shards are read: only those
+    # bytes are checked (ds-zero's [Note: a path verifies what it uses]).
+    values = None if from_shards else ("param",)
+    with start_verification(path, values=values) as pending:
         state = _read_model_file(pending, path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt")
-        optimizer = engine.optimizer
-        from_shards = optimizer_states and isinstance(optimizer, _ZERO)
         if not from_shards:
             pending.wait()
         # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).

@@ -37,6 +37,16 @@ raised on the spot (the other ranks would wait on this one): it is noted and tol
 at the wait, with the checksums' verdict, which names the damaged file. Reading a damaged file
 runs no code (``weights_only``), so an early read is safe; only using its values is not.
 :func:`verify_directory` is the same check done at once.
+
+[Note: a path verifies what it uses]
+A load checks exactly the bytes it reads. A ZeRO-3 load without the optimizer's states reads
+only the fp32 masters (``<piece>/param``) of the shard files, a third of their bytes: hashing
+the rest would cost more than the load. ``start_verification(values=("param",))`` therefore
+checks, in each shard file, the chunks holding its non-tensor bytes (the pickle before the
+first tensor, the zip directory after the last) by their chunk CRC-32s, and each master outside
+those chunks by its own CRC-32; other files are checked whole. A mismatch falls back to the
+whole-file check, so the error still names the file and the tensors. Corruption in bytes such
+a load never reads (Adam moments) is not its error; a full load, which reads them, refuses it.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import json
 import mmap
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -114,8 +124,9 @@ def _crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:
         return list(pool.map(lambda job: _crc_range(*job), jobs))
 
 
-def _chunks(size: int) -> list[tuple[int, int]]:
-    return [(at, min(CHUNK, size - at)) for at in range(0, size, CHUNK)] or [(0, 0)]
+def _chunks(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    chunk = chunk or CHUNK
+    return [(at, min(chunk, size - at)) for at in range(0, size, chunk)] or [(0, 0)]
 
 
 class ChunkedCrcWriter:
@@ -346,6 +357,55 @@ def file_problem(
     return f"{name} corrupted (its checksum differs from the manifest's; {what} changed)"
 
 
+def _is_shard_file(name: str) -> bool:
+    """Whether ``name`` is a ds-zero shard file (tensors keyed ``<piece>/<value>``)."""
+    parts = Path(name).parts
+    return (
+        len(parts) == 2 and parts[0].startswith("zero") and parts[1].startswith("zero_shards_rank")
+    )
+
+
+def _read_parts(
+    record: Mapping[str, Any], size: int, chunk: int, values: Collection[str]
+) -> tuple[list[int], list[str]]:
+    """What a load reading only ``values`` of a shard file uses (see [Note: a path verifies
+    what it uses]): the chunks holding the file's non-tensor bytes (the pickle and the zip
+    directory, before the first tensor and after the last), and the tensors of ``values``
+    outside those chunks, each checked by its own CRC-32."""
+    entries = record.get("tensors") or {}
+    if not entries:
+        return list(range(len(_chunks(size, chunk)))), []
+    first = min(e["offset"] for e in entries.values())
+    last = max(e["offset"] + e["nbytes"] for e in entries.values())
+    picked = set(range(0, (first + chunk - 1) // chunk if first else 1))
+    picked |= set(range(last // chunk, (size + chunk - 1) // chunk))
+    covered = {(i * chunk, min(size, (i + 1) * chunk)) for i in picked}
+    tensors = [
+        n
+        for n, e in entries.items()
+        if n.rsplit("/", 1)[-1] in values
+        and not any(a <= e["offset"] and e["offset"] + e["nbytes"] <= b for a, b in covered)
+    ]
+    return sorted(picked), tensors
+
+
+def _partial_problem(
+    directory: Path,
+    name: str,
+    record: Mapping[str, Any],
+    crcs: Sequence[int],
+    picked: Sequence[int],
+    tensors: Sequence[str],
+) -> str | None:
+    """None when the chunks ``picked`` and the ``tensors`` of file ``name`` match the manifest;
+    a description otherwise."""
+    if (directory / name).stat().st_size != record["bytes"]:
+        return f"{name} truncated"
+    expected = [record["crc32"][i] for i in picked]
+    expected += [record["tensors"][n]["crc32"] for n in tensors]
+    return None if list(crcs) == expected else f"{name} corrupted"
+
+
 def _share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
     """This rank's files to check: the biggest first, each to the least-loaded rank."""
     load = [0] * world
@@ -473,12 +533,13 @@ class PendingVerification:
     directory may be used before the :meth:`wait` that covers its file returned.
     """
 
-    def __init__(self, directory: Path, group: Any) -> None:
-        self.directory, self.group = directory, group
+    def __init__(self, directory: Path, group: Any, values: Collection[str] | None = None) -> None:
+        self.directory, self.group, self.values = directory, group, values
         self.rank, self.world = _topology(group)
         self.manifest: dict[str, Any] = {}
         self._noted: list[str] = []
         self._jobs: dict[str, list[Future[int]] | None] = {}
+        self._partial: dict[str, tuple[list[int], list[str]]] = {}
         self._verdict: dict[str, Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
@@ -501,7 +562,15 @@ class PendingVerification:
         if "crc32" not in record or size != record["bytes"]:
             return None
         assert self._pool is not None
-        return [self._pool.submit(_crc_range, path, a, n) for a, n in _chunks(size)]
+        chunk = int(self.manifest.get("chunk", CHUNK))
+        spans = _chunks(size, chunk)
+        if self.values is not None and _is_shard_file(name):
+            picked, tensors = _read_parts(record, size, chunk, self.values)
+            self._partial[name] = (picked, tensors)
+            spans = [spans[i] for i in picked]
+            entries = record["tensors"]
+            spans += [(entries[n]["offset"], entries[n]["nbytes"]) for n in tensors]
+        return [self._pool.submit(_crc_range, path, a, n) for a, n in spans]
 
     def note(self, problem: str) -> None:
         """Add a problem the loader met while reading (told to every rank at the next wait)."""
@@ -513,6 +582,13 @@ class PendingVerification:
         for name, jobs in self._jobs.items():
             try:
                 crcs = [job.result() for job in jobs] if jobs is not None else None
+                if crcs is not None and name in self._partial:
+                    problem = _partial_problem(
+                        self.directory, name, files[name], crcs, *self._partial[name]
+                    )
+                    if problem is None:
+                        continue
+                    crcs = None  # a mismatch: the whole file is checked, to name the tensors
                 problem = file_problem(self.directory, name, files[name], crcs)
             except OSError as exc:
                 problem = f"{name} cannot be read: {exc}"
@@ -565,12 +641,18 @@ class PendingVerification:
 
 
 def start_verification(
-    directory: str | os.PathLike[str], *, group: Any = None
+    directory: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    values: Collection[str] | None = None,
 ) -> PendingVerification:
     """Start checking a checkpoint directory against its ``ds_manifest.json`` on threads and
     return at once, so the checksums overlap the loader's reads (see [Note: verification
     overlapped with reading]). Each rank hashes a share of the files. Every rank must call
-    it, and then :meth:`~PendingVerification.wait` at the same points.
+    it, and then :meth:`~PendingVerification.wait` at the same points. ``values``: the load
+    reads only these values (e.g. ``("param",)``, the fp32 masters) of the ZeRO shard files, so
+    only those bytes of them (and their non-tensor bytes) are checked (see [Note: a path
+    verifies what it uses]); None checks every byte of every file.
 
     Example:
         >>> with start_verification(path) as pending:
@@ -578,7 +660,7 @@ def start_verification(
         ...     pending.wait()  # every rank's verdict
         ...     model.load_state_dict(state)
     """
-    return PendingVerification(Path(directory), group)
+    return PendingVerification(Path(directory), group, values)
 
 
 def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:
