@@ -44,7 +44,7 @@ def build_zero_optimizer(
         ...                             ZeroConfig.from_dict({"stage": 3}), group=dp_group)
     """
     config = config if config is not None else ZeroConfig()
-    if config.stage == 3:
+    if config.shard_parameters:  # stage 3: per-parameter shards, partitioned residency
         refused = [k for k, v in kwargs.items() if k in _NOT_IN_STAGE_3 and not _unset(v)]
         if refused:
             reasons = "; ".join(f"{k}: {_NOT_IN_STAGE_3[k]}" for k in refused)

@@ -138,7 +138,7 @@ class Stage3Optimizer(GradientCore):
         norm_exclude: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
-        if self.config.stage != 3:
+        if not self.config.shard_parameters:
             raise ValueError(
                 f"zero_optimization.stage = {self.config.stage}: Stage3Optimizer needs stage 3; "
                 "use ZeroOptimizer (or ds_zero.build_zero_optimizer) for stages 0-2"
