@@ -472,7 +472,8 @@ class ZeroOptimizer(GradientCore):
             grads=grads,
             optimizer_state=optimizer_state,
             buffers=staging,
-            host=host + grads_host,
+            # with nvme, the swapper's page-locked staging buffers are host memory too
+            host=host + grads_host + (self._swap.pinned_bytes if self._swap is not None else 0),
         )
 
 
