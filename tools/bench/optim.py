@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -163,7 +164,7 @@ def time_rounds(contenders: list[Contender], repeats: int) -> Samples:
     return samples
 
 
-def torch_adam(params: list[torch.nn.Parameter], **kwargs: object) -> torch.optim.Optimizer | None:
+def torch_adam(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer | None:
     """torch.optim.Adam with ``kwargs``, or None where this torch lacks the variant."""
     try:
         opt = torch.optim.Adam(params, lr=1e-4, **kwargs)
@@ -181,7 +182,13 @@ def cpu_contenders(n: int, threads: int, parts: int = 5) -> list[Contender]:
 
     def c_triad(nontemporal: bool) -> Callable[[], object]:
         return lambda: ds_native.stream_triad(
-            *triad, 0.5, nontemporal=nontemporal, num_threads=threads, backend="native"
+            triad[0],
+            triad[1],
+            triad[2],
+            0.5,
+            nontemporal=nontemporal,
+            num_threads=threads,
+            backend="native",
         )
 
     # All optimizers step the same params and grads (each with its own state): values do not
@@ -194,7 +201,13 @@ def cpu_contenders(n: int, threads: int, parts: int = 5) -> list[Contender]:
         Contender(
             TRAFFIC,
             lambda: ds_native.stream_adam_traffic(
-                *traffic, 1e-9, num_threads=threads, backend="native"
+                traffic[0],
+                traffic[1],
+                traffic[2],
+                traffic[3],
+                1e-9,
+                num_threads=threads,
+                backend="native",
             ),
             ADAM_BYTES * n,
             "bound",
@@ -392,7 +405,7 @@ def parse_ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--params", type=int, default=50_000_000, help="split model size (fp32)")
     parser.add_argument(
         "--single-params", type=int, default=20_000_000, help="single-tensor model size (fp32)"
