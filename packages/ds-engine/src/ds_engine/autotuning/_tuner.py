@@ -241,7 +241,7 @@ def format_table(rows: Sequence[Row], memory_per_rank: int) -> str:
     for r in rows:
         c = r.candidate
         measured = _mib(r.measured) if r.measured is not None else "-"
-        error = f"{100 * r.error:+.1f}" if r.error is not None else "-"
+        error = f"{round(100 * r.error, 1) + 0.0:+.1f}" if r.error is not None else "-"
         speed = f"{r.metrics['throughput']:.1f}" if r.metrics is not None else "-"
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
@@ -272,7 +272,7 @@ def _write_results(job: TuningJob, rows: list[Row], best: Row | None) -> None:
         path = os.path.join(tuning.results_dir, "ds_config_optimal.json")
         from ds_engine.autotuning._experiments import config_path_of
 
-        cmd[cmd.index(job.user_script) + 1 + config_path_of(job.user_args)] = path
+        cmd[config_path_of(cmd)] = path
         with open(os.path.join(tuning.results_dir, "cmd_optimal.txt"), "w") as f:
             f.write(" ".join(cmd) + "\n")
     else:
