@@ -13,6 +13,7 @@ from ds_testing import run_on_ranks
 sys.path.insert(0, str(Path(__file__).parent))
 from _engine_testing import config, loss_of, make_dataset, make_mlp
 
+from ds_comm import ConfigError
 from ds_engine import DeepSpeedConfig, numerics_table
 from ds_engine._progress import Progress
 
@@ -101,3 +102,61 @@ def test_engine_logs_contract_progress_and_timings(world_size: int) -> None:
     for part in ("fwd_microstep:", "bwd:", "bwd_allreduce:", "step:", "optimizer_step:"):
         assert any(part in line for line in timer_lines[3:]), part
     assert all(out == "" for out in outputs[1:])
+
+
+def test_throughput_timer_switches_the_samples_per_second_field(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for throughput, synchronized in [(True, True), (True, False), (False, True)]:
+        progress = Progress(
+            rank=0,
+            steps_per_print=1,
+            interactive=False,
+            throughput=throughput,
+            synchronized=synchronized,
+        )
+        progress.update(step=1, samples=8, loss=1.0, lr=1e-3, timers="")
+        line = capsys.readouterr().out
+        assert line.startswith("step 1: loss=1.0000, lr=0.001")
+        assert ("samples/s=" in line) is throughput
+
+
+def test_timers_section_is_typed_and_checked() -> None:
+    default = DeepSpeedConfig.from_dict({"train_batch_size": 4})
+    assert default.timers.throughput.enabled and default.timers.throughput.synchronized
+    off = DeepSpeedConfig.from_dict(
+        {"train_batch_size": 4, "timers": {"throughput": {"enabled": False, "synchronized": False}}}
+    )
+    assert not off.timers.throughput.enabled and not off.timers.throughput.synchronized
+    with pytest.raises(ConfigError, match=r"timers.throughput.enabled = 'no': expected true"):
+        DeepSpeedConfig.from_dict(
+            {"train_batch_size": 4, "timers": {"throughput": {"enabled": "no"}}}
+        )
+    with pytest.raises(ConfigError, match="synchronised"):
+        DeepSpeedConfig.from_dict(
+            {"train_batch_size": 4, "timers": {"throughput": {"synchronised": True}}}
+        )
+
+
+def _throughput_off_body(rank: int, world_size: int) -> str:
+    import contextlib
+    import io
+
+    import ds_engine
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cfg = config(steps_per_print=1, timers={"throughput": {"enabled": False}})
+        engine, *_ = ds_engine.initialize(model=make_mlp(), config=cfg)
+        data = make_dataset(8)
+        for step in range(2):
+            engine.backward(loss_of(engine, [t[4 * step : 4 * step + 4] for t in data.tensors]))
+            engine.step()
+    return out.getvalue()
+
+
+def test_engine_honours_timers_throughput_enabled_false() -> None:
+    text = run_on_ranks(_throughput_off_body, 1)[0]
+    step_lines = [line for line in text.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 2
+    assert all("loss=" in line and "samples/s" not in line for line in step_lines)

@@ -7,7 +7,7 @@ typed fields of :class:`ds_engine.DeepSpeedConfig`. Every other one is a row of
 decides whether a given value *asks for* the feature:
 
 - a section with an ``enabled`` switch asks for nothing while the switch is false (whatever its
-  other settings say: ``"flops_profiler": {"enabled": false, "profile_step": 5}`` is inert);
+  other settings say: ``"torch_autocast": {"enabled": false, "dtype": "bfloat16"}`` is inert);
 - any other value asks for nothing when it equals DeepSpeed's default, key by key (``"auto"``
   stands for the default, as in DeepSpeed's config models);
 - an *open* section (``compression_training``, ``weight_quantization``, ...: deep trees of
@@ -15,7 +15,7 @@ decides whether a given value *asks for* the feature:
 
 A value that asks for nothing is accepted and kept (merged over the defaults) in
 ``DeepSpeedConfig.unimplemented``, where the engine's accessors read it
-(``flops_profiler_enabled()`` is ``unimplemented.flops_profiler.enabled``). A value that asks
+(``torch_autocast_enabled()`` is ``unimplemented.torch_autocast.enabled``). A value that asks
 for the feature is a ConfigError naming the key and the feature. Sub-keys of closed sections are
 checked against DeepSpeed's names, so a misspelling gets the did-you-mean error even in a
 disabled section.
@@ -338,10 +338,6 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "grad_partitioned": (False,),
             "use_reentrant": (False,),
         },
-    ),
-    "timers": NotImplementedFeature(
-        "switchable throughput timers",
-        {"throughput": {"enabled": True, "synchronized": True}},
     ),
 }
 

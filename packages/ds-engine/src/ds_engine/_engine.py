@@ -127,7 +127,12 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
         self.timers = EngineTimers(config.wall_clock_breakdown)
         self._flops = EngineFlopsProfile(self, config.flops_profiler)
         self.flops_profiler = self._flops.profiler  # DeepSpeed's attribute (None: disabled)
-        self.progress = Progress(rank=self.global_rank, steps_per_print=config.steps_per_print)
+        self.progress = Progress(
+            rank=self.global_rank,
+            steps_per_print=config.steps_per_print,
+            throughput=config.timers.throughput.enabled,
+            synchronized=config.timers.throughput.synchronized,
+        )
         self.monitor = build_monitor(config, rank=self.global_rank)
         self._autotuning = start_probe(config.unimplemented.autotuning, self)
         self._setup_data_efficiency()

@@ -126,13 +126,26 @@ def _sync() -> None:
 
 class Progress:
     """Rank 0's progress: a tqdm bar when stderr is a terminal, a log line every
-    ``steps_per_print`` optimizer steps always (non-interactive logs)."""
+    ``steps_per_print`` optimizer steps always (non-interactive logs).
+
+    ``throughput`` adds the samples per second since the previous step (DeepSpeed's
+    ``timers.throughput.enabled``); ``synchronized`` waits for the accelerator before reading
+    the clock, so the figure covers the step's device work (``timers.throughput.synchronized``).
+    """
 
     def __init__(
-        self, *, rank: int, steps_per_print: float, interactive: bool | None = None
+        self,
+        *,
+        rank: int,
+        steps_per_print: float,
+        interactive: bool | None = None,
+        throughput: bool = True,
+        synchronized: bool = True,
     ) -> None:
         self.active = rank == 0
         self.steps_per_print = steps_per_print
+        self.throughput = throughput
+        self.synchronized = synchronized
         self._bar: Any = None
         if interactive is None:
             interactive = sys.stderr.isatty()
@@ -149,10 +162,14 @@ class Progress:
         """Record one optimizer step (every rank calls it; only rank 0 shows anything)."""
         if not self.active:
             return
-        now = time.perf_counter()
-        rate = (samples - self._last_samples) / max(now - self._last_time, 1e-9)
         fields = {"loss": f"{loss:.4f}" if loss is not None else "-", "lr": f"{lr:.3g}"}
-        fields["samples/s"] = f"{rate:.1f}"
+        now = self._last_time
+        if self.throughput:
+            if self.synchronized:
+                _sync()
+            now = time.perf_counter()
+            rate = (samples - self._last_samples) / max(now - self._last_time, 1e-9)
+            fields["samples/s"] = f"{rate:.1f}"
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(fields, refresh=False)

@@ -59,6 +59,7 @@ from ds_engine._config_sections import (
 from ds_engine._config_triad import batch_key, check_triad, complete_triad
 from ds_engine._flops_config import FlopsProfilerConfig
 from ds_engine._optional import require
+from ds_engine._timers_config import TimersConfig
 from ds_optim import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig
 from ds_zero import ZeroConfig
 
@@ -90,6 +91,7 @@ _SECTIONS: dict[str, Any] = {
     "progressive_layer_drop": ProgressiveLayerDropConfig,
     "data_efficiency": DataEfficiencyConfig,
     "flops_profiler": FlopsProfilerConfig,
+    "timers": TimersConfig,
 }
 # DeepSpeed accepts "bfloat16" as an alias of "bf16".
 _ALIASES = {"bfloat16": "bf16"}
@@ -154,6 +156,7 @@ class DeepSpeedConfig(Mapping[str, Any]):
         curriculum_learning, progressive_layer_drop, data_efficiency: curriculum learning
             (legacy and data-sampling), progressive layer drop (docs/data_efficiency.md).
         flops_profiler: the ``flops_profiler`` section (``engine.flops_profiler``).
+        timers: the ``timers`` section (the throughput figure of the progress line).
         gradient_clipping: max global L2 norm of gradients (0 disables; DeepSpeed's default 1.0).
         steps_per_print: print a progress line every this many optimizer steps (``inf``: never).
         wall_clock_breakdown: time forward, backward (autograd, reductions), step and the
@@ -207,6 +210,7 @@ class DeepSpeedConfig(Mapping[str, Any]):
     )
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    timers: TimersConfig = field(default_factory=TimersConfig)
     gradient_clipping: float = 1.0
     steps_per_print: int | float = 10
     wall_clock_breakdown: bool = False
