@@ -224,8 +224,9 @@ ENGINE_ATTRIBUTES = (
     "seq_dp_world_size", "global_steps", "global_samples", "micro_steps", "skipped_steps",
 )  # fmt: skip
 
-# Private methods the clients call: transformers' Trainer.save_model under ZeRO-3.
-CLIENT_PRIVATE_METHODS = ("_zero3_consolidated_16bit_state_dict",)
+# Private methods the clients call: transformers' Trainer.save_model and accelerate's
+# get_state_dict under ZeRO-3.
+CLIENT_PRIVATE_METHODS = ("_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict")
 
 # inspect.signature(deepspeed.initialize).parameters, in order.
 INITIALIZE_PARAMETERS = (

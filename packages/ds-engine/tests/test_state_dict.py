@@ -57,7 +57,9 @@ def _zero3_body(rank: int, world_size: int) -> dict:
         released = all(p.numel() == 0 for p in engine.module.parameters())
     with torch.no_grad():
         still_runs = torch.allclose(engine(x), other(x), atol=1e-6)
+    dispatched = engine._consolidated_16bit_state_dict()  # accelerate's entry point
     out = {"partitioned": partitioned, "none_elsewhere": rank == 0 or initial is None}
+    out["dispatched"] = rank != 0 or _max_diff(dispatched, loaded) == 0.0
     out["same_forward"] = same_forward and still_runs
     out["released"] = released
     out["module_keys"] = module_keys == list(other.state_dict())
@@ -75,6 +77,7 @@ def test_zero3_consolidated_state_dict_is_the_whole_model(world_size: int) -> No
     for got in results:
         assert got["partitioned"] and got["none_elsewhere"]
         assert got["same_forward"] and got["module_keys"] and got["released"]
+        assert got["dispatched"]
     first = results[0]
     assert first["initial"] == 0.0 and first["loaded"] == 0.0 and first["on_cpu"]
     assert first["trained"] < 1e-5
@@ -94,6 +97,8 @@ def _stage0_body(rank: int, world_size: int) -> dict:
     )
     with pytest.raises(ValueError, match="requires ZeRO-3"):
         engine._zero3_consolidated_16bit_state_dict()
+    with pytest.raises(ValueError, match="only where weights are partitioned"):
+        engine._consolidated_16bit_state_dict()
     full = engine.module_state_dict(prefix="m.")
     trainable = engine.module_state_dict(exclude_frozen_parameters=True)
     calls = []

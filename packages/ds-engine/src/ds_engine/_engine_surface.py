@@ -312,6 +312,24 @@ class EngineSurface:
                 state[key] = copy
         return state if rank == 0 else None
 
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> OrderedDict[str, torch.Tensor] | None:
+        """DeepSpeed's dispatch over partitioned weights (accelerate's ``get_state_dict`` calls
+        it): :meth:`_zero3_consolidated_16bit_state_dict` at ZeRO-3; every rank must call it.
+
+        Raises:
+            ValueError: the weights are not partitioned (DeepSpeed also serves tensor
+                parallelism here, which ds does not implement; use ``module_state_dict()``).
+        """
+        if not self.zero_optimization_partition_weights():  # type: ignore[attr-defined]
+            raise ValueError(
+                "_consolidated_16bit_state_dict applies only where weights are partitioned "
+                f"(ZeRO-3); zero_optimization.stage = {self._config.zero_optimization.stage} "
+                "keeps every weight whole: use module_state_dict()"
+            )
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""
         return self.save_16bit_model(save_dir, save_filename)  # type: ignore[attr-defined]
