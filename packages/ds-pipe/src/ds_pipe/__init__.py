@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ds_optim import GradientStep, StepResult
-from ds_pipe._engine import PipelineEngine
+from ds_pipe._engine import PIPE_TIMER_NAMES, PipelineEngine, PipeTimer
 from ds_pipe._grad_step import DataParallelStep
 from ds_pipe._layer_checkpoint import layer_checkpoint_name, load_layers_into
 from ds_pipe._module import PipelineModule, TiedGroup, checkpoint_non_reentrant
@@ -56,6 +56,8 @@ __all__ = [
     "load_layers_into",
     # engine
     "PipelineEngine",
+    "PipeTimer",
+    "PIPE_TIMER_NAMES",
     "GradientStep",
     "DataParallelStep",
     "StepResult",

@@ -22,7 +22,8 @@ the step taken and its :class:`ds_optim.StepResult` kept.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -56,9 +57,33 @@ from ds_pipe._schedule import (
     build_schedule,
 )
 
-__all__ = ["PipelineEngine"]
+__all__ = ["PIPE_TIMER_NAMES", "PipelineEngine", "PipeTimer"]
 
 _REDUCE_OUTPUTS = ("avg", None)
+
+PipeTimer = Callable[[Sequence[str]], AbstractContextManager[Any]]
+"""A timer factory: ``timer(names)`` returns a context that times its block under each name."""
+
+# [Note: timing the schedule's instructions]
+# With a ``timer`` factory the engine times each instruction under DeepSpeed's pipeline timer
+# names: the data load, the forward and backward passes (micro-step and global timers; a
+# stage's backward is all autograd, so the inner timers cover the same interval), the four
+# point-to-point transfers, the data-parallel gradient reduction (the allreduce timers) and the
+# optimizer step. The tied-weight reduction and loss exchange have no DeepSpeed timer.
+_TIMERS: dict[type, tuple[str, ...]] = {
+    LoadMicroBatch: ("batch_input",),
+    ForwardPass: ("fwd_microstep", "fwd"),
+    BackwardPass: ("bwd_microstep", "bwd", "bwd_inner_microstep", "bwd_inner"),
+    SendActivation: ("pipe_send_output",),
+    RecvActivation: ("pipe_recv_input",),
+    SendGrad: ("pipe_send_grad",),
+    RecvGrad: ("pipe_recv_grad",),
+    ReduceGrads: ("bwd_allreduce_microstep", "bwd_allreduce"),
+    OptimizerStep: ("step_microstep", "step"),
+}
+PIPE_TIMER_NAMES: tuple[str, ...] = tuple(n for names in _TIMERS.values() for n in names)
+"""Every timer name a ``timer`` factory may be called with (see [Note: timing the schedule's
+instructions])."""
 
 
 @dataclass
@@ -114,6 +139,8 @@ class PipelineEngine:
         grad_step: the :class:`ds_optim.GradientStep` to drive instead of the standalone
             :class:`DataParallelStep` (ds-engine passes ds-zero's gradient-step core); then
             ``gradient_clipping`` and ``loss_scaler`` are the step's business.
+        timer: a :data:`PipeTimer` factory timing each instruction under DeepSpeed's names (see
+            [Note: timing the schedule's instructions]); None: nothing is timed.
 
     Attributes:
         global_steps: batches trained (skipped steps included).
@@ -135,8 +162,10 @@ class PipelineEngine:
         loss_scaler: Any = None,
         lr_scheduler: Any = None,
         grad_step: GradientStep | None = None,
+        timer: PipeTimer | None = None,
     ) -> None:
         self.module = module
+        self.timer = timer
         self.grid = module.grid
         self.stage_id = self.grid.stage_id
         self.num_stages = self.grid.num_stages
@@ -384,8 +413,15 @@ class PipelineEngine:
         cmd: PipeInstruction | None = None
         try:
             self.channels.start_batch(self._state.mode, plan.incoming)
+            timer = self.timer
             for handler, cmd in plan.calls:
-                handler(cmd)
+                names = _TIMERS.get(type(cmd)) if timer is not None else None
+                if names:
+                    assert timer is not None
+                    with timer(names):
+                        handler(cmd)
+                else:
+                    handler(cmd)
             self.channels.wait_sends()
         except BaseException as exc:
             self.channels.abort()
