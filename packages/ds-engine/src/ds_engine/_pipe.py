@@ -27,17 +27,30 @@ another, or into a plain ``nn.Module``) and one ``pp_rank_SS_dp_rank_DD_states.p
 ``.<tag>.partial`` and renamed by rank 0 after a barrier, then ``latest`` is replaced, as the
 engine's checkpoints (see ``_checkpoint.py``). ``load_checkpoint(..., load_module_only=True)``
 loads only the layers, so it works across stage counts.
+
+[Note: the pipeline engine's progress and timers]
+Every ``steps_per_print`` batches global rank 0 prints DeepSpeed's pipeline line, ``steps: N
+loss: L iter time (s): T samples/sec: S`` (the mean ``train_batch()`` time since the last line;
+``timers.throughput.enabled`` false drops the samples/sec figure, ``synchronized`` waits for the
+accelerator around each batch). With ``wall_clock_breakdown`` ds-pipe's engine times each
+schedule instruction through :meth:`EngineTimers.span` (the same marks as the engine's
+breakdown) and rank 0 prints DeepSpeed's three ``time (ms)`` lines: ``batch_input`` and the
+micro-step timers, the global timers, then the four ``pipe_send/recv`` timers; each is the
+total since the last report. ``get_wall_clock_timers()`` gives this rank's totals (its stage's
+timers, and ``train_batch``) as of the last batch.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, cast, overload
 
 import torch
 
 import ds_comm
+from ds_comm.accelerator import get_accelerator
 from ds_engine import __version__
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
@@ -57,10 +70,10 @@ from ds_engine._placement import (
     engine_device,
     move_module,
 )
-from ds_engine._progress import Timers
 from ds_engine.api import ConfigError, DeepSpeedConfig
+from ds_engine.utils.timer import EngineTimers
 from ds_optim import GradientStep, build_loss_scaler
-from ds_pipe import PipelineEngine, PipelineModule
+from ds_pipe import PIPE_TIMER_NAMES, PipelineEngine, PipelineModule
 from ds_zero import save_fsynced
 
 __all__ = ["PipelineDeepSpeedEngine", "check_pipeline_config"]
@@ -133,7 +146,8 @@ class PipelineDeepSpeedEngine(EngineSurface, PipelineDataEfficiencyMixin):
         client = self._client_optimizer(optimizer, model_parameters)
         self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.basic_optimizer = client
-        self.timers = Timers(config.wall_clock_breakdown)
+        self.timers = EngineTimers(config.wall_clock_breakdown)
+        self._batch_seconds = 0.0  # train_batch() time since the last progress line
         self.monitor = build_monitor(config, rank=self.global_rank)
         self.client_lr_scheduler = lr_scheduler
         self.micro_steps = 0  # micro-batches trained
@@ -168,6 +182,7 @@ class PipelineDeepSpeedEngine(EngineSurface, PipelineDataEfficiencyMixin):
             loss_scaler=self.loss_scaler,
             lr_scheduler=self.lr_scheduler,
             grad_step=self.zero,
+            timer=self.timers.span if config.wall_clock_breakdown else None,
         )
         self.training_dataloader: DeepSpeedDataLoader | None = None
         if training_data is not None:
@@ -211,9 +226,18 @@ class PipelineDeepSpeedEngine(EngineSurface, PipelineDataEfficiencyMixin):
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on ``gradient_accumulation_steps`` micro-batches; the mean loss on every stage."""
-        with self.timers("step"):
-            loss = self.pipe.train_batch(self._prepare(data_iter))
+        data_iter = self._prepare(data_iter)
+        synchronized = self._config.timers.throughput.synchronized
+        if synchronized:
+            get_accelerator().synchronize()
+        start = time.perf_counter()
+        with self.timers.span(("train_batch",)):
+            loss = self.pipe.train_batch(data_iter)
+        if synchronized:
+            get_accelerator().synchronize()
+        self._batch_seconds += time.perf_counter() - start
         self.micro_steps += self.pipe.micro_batches
+        self._report_batch(loss)
         if self.monitor.enabled:
             samples = self.global_samples
             lr = self.get_lr()
@@ -224,6 +248,27 @@ class PipelineDeepSpeedEngine(EngineSurface, PipelineDataEfficiencyMixin):
                 ]
             )
         return loss
+
+    def _report_batch(self, loss: torch.Tensor) -> None:
+        """DeepSpeed's pipeline report every ``steps_per_print`` batches (see [Note: the
+        pipeline engine's progress and timers])."""
+        self.timers.update_cache(("train_batch", *PIPE_TIMER_NAMES))
+        every = self._config.steps_per_print
+        if self.global_steps % every != 0:
+            return
+        log = self.timers.timers.log
+        log(["batch_input", *self.timers.micro_timers])
+        log(self.timers.global_timers)
+        if self.global_rank == 0:
+            iter_time = self._batch_seconds / every
+            line = f"steps: {self.global_steps} loss: {float(loss):0.4f} "
+            line += f"iter time (s): {iter_time:0.3f}"
+            if self._config.timers.throughput.enabled:
+                line += f" samples/sec: {self._config.train_batch_size / max(iter_time, 1e-9):0.3f}"
+            print(line, flush=True)
+        self._batch_seconds = 0.0
+        log(["pipe_send_output", "pipe_send_grad", "pipe_recv_input", "pipe_recv_grad"])
+        self.timers.timers("train_batch").reset()
 
     def eval_batch(
         self,

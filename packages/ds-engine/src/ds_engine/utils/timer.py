@@ -420,6 +420,19 @@ class EngineTimers:
             self.timers(name).add_interval(start, end)
 
     @contextlib.contextmanager
+    def span(self, names: Sequence[str]) -> Iterator[None]:
+        """Time the block under each of ``names`` (one pair of marks; the pipeline engine's
+        per-instruction timers)."""
+        if not self.enabled:
+            yield
+            return
+        start = timer_mark()
+        try:
+            yield
+        finally:
+            self._add(names, start, timer_mark())
+
+    @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Time the module's forward (``fwd_microstep``, ``fwd``)."""
         if not self.enabled:
@@ -506,12 +519,12 @@ class EngineTimers:
         micro-batches; the FLOPS profiler's latencies); empty before the first."""
         return {n: ms / 1000.0 for n, ms in self._last_step.items()}
 
-    def update_cache(self) -> None:
-        """Refresh :meth:`snapshot_ms` (milliseconds accumulated since the last report)."""
+    def update_cache(self, names: Iterable[str] | None = None) -> None:
+        """Refresh :meth:`snapshot_ms` (milliseconds accumulated since the last report) for
+        ``names`` (None: :meth:`active_timers`)."""
         timers = self.timers.get_timers()
-        self.cache = {
-            n: timers[n].elapsed(reset=False) for n in self.active_timers() if n in timers
-        }
+        wanted = self.active_timers() if names is None else names
+        self.cache = {n: timers[n].elapsed(reset=False) for n in wanted if n in timers}
         for name in self.cache:  # bounded memory without a print (steps_per_print = inf)
             timers[name].fold()
 
