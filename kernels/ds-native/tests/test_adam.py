@@ -251,3 +251,23 @@ def test_many_steps_track_torch_adamw() -> None:
     assert_close_to_scale(p, ref_param.detach())
     assert_close_to_scale(m, ref.state[ref_param]["exp_avg"])
     assert_close_to_scale(v, ref.state[ref_param]["exp_avg_sq"])
+
+
+@simd_paths
+def test_zero_and_infinite_denominators_divide_exactly(simd: str) -> None:
+    # The vector paths multiply by a Newton-refined reciprocal ([Note: no division]); where the
+    # denominator is 0 (eps = 0, v = 0) or inf, they must still give what division gives.
+    n = 37  # a vector body and a tail
+    m = torch.zeros(n)
+    m[1::3] = 1.0
+    grad = torch.zeros(n)
+    grad[2::3] = float("inf")
+    p, v = torch.zeros(n), torch.zeros(n)
+    ref = (p.clone(), grad.clone(), m.clone(), v.clone())
+
+    ds_native.adam_step(p, grad, m, v, step=1, lr=1.0, eps=0.0, simd=simd)
+    ds_native.adam_step_reference(*ref, step=1, lr=1.0, eps=0.0)
+
+    assert p[1].item() == float("-inf")  # x / 0
+    assert p[0].isnan() and p[2].isnan()  # 0 / 0 and inf / inf
+    torch.testing.assert_close(p, ref[0], rtol=0, atol=0, equal_nan=True)

@@ -42,7 +42,7 @@ def _functions(path: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.skipif(not _X86_LINUX or shutil.which("objdump") is None, reason="x86 + objdump")
-def test_every_path_computes_sqrt_and_div_in_vectors() -> None:
+def test_every_path_computes_sqrt_and_reciprocal_in_vectors() -> None:
     functions = _functions(import_module("ds_native._ds_native_cffi").__file__)
     if "adam_range_avx512" not in functions:
         pytest.skip("extension stripped of local symbols")
@@ -50,10 +50,14 @@ def test_every_path_computes_sqrt_and_div_in_vectors() -> None:
     def ops(name: str) -> str:
         return "\n".join(functions[name])
 
+    # The vector paths divide by a refined reciprocal estimate, never vdivps ([Note: no division]
+    # in csrc/adam.c: the divider, shared with sqrt, bound a single core).
     assert re.search(r"vsqrtps\s+%zmm", ops("adam_range_avx512"))
-    assert re.search(r"vdivps\s+%zmm", ops("adam_range_avx512"))
+    assert re.search(r"vrcp14ps\s+%zmm", ops("adam_range_avx512"))
+    assert not re.search(r"vdivps", ops("adam_range_avx512"))
     assert re.search(r"vsqrtps\s+%ymm", ops("adam_range_avx2"))
-    assert re.search(r"vdivps\s+%ymm", ops("adam_range_avx2"))
+    assert re.search(r"vrcpps\s+%ymm", ops("adam_range_avx2"))
+    assert not re.search(r"vdivps", ops("adam_range_avx2"))
     # The portable loop: packed SSE sqrt for float32 grads (16-bit conversions stay scalar).
     assert re.search(r"\bsqrtps\b", ops("adam_range_scalar"))
     assert not any("sqrtf" in insn for insns in functions.values() for insn in insns)
