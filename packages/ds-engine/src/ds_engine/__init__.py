@@ -42,6 +42,7 @@ _SUBMODULES = frozenset(
         "pipe",
         "profiling",
         "runtime",
+        "sequence",
         "utils",
         "zero",
     }
