@@ -100,6 +100,57 @@ def _unverified() -> Iterator[None]:
         ) = saved
 
 
+# (module, attribute) of each load phase timed by --phases; start_verification and the wait are
+# the verification's own, the others run in both arms.
+_PHASES = (
+    ("ds_engine._checkpoint", "start_verification"),
+    ("ds_engine._checkpoint", "_read_model_file"),
+    ("ds_zero._checkpoint", "verify_checkpoint"),
+    ("ds_zero._zero_shards", "_read_shards"),
+    ("ds_zero._integrity", "PendingVerification.wait"),
+)
+
+
+@contextlib.contextmanager
+def _phase_timer(spans: dict[str, list[float]]) -> Iterator[None]:
+    """Wall time of each of :data:`_PHASES` on the loading thread, and the summed time of the
+    checksum calls on the hashing threads, added to ``spans`` per load."""
+    import importlib
+    import threading
+
+    lock = threading.Lock()
+    patched = []
+
+    def wrap(label: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    spans.setdefault(label, [0.0])[-1] += time.perf_counter() - start
+
+        return timed
+
+    targets = [*_PHASES, ("ds_zero._integrity", "_crc_range")]
+    for module_name, attr in targets:
+        owner: object = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(
+            owner,
+            name,
+            wrap(attr if attr != "_crc_range" else "hash threads (sum)", patched[-1][2]),
+        )
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
+
+
 def _drop_cached_pages(folder: str) -> None:
     """Evict every file of ``folder`` from the page cache (clean pages: flushed first)."""
     for directory, _, files in os.walk(folder):
@@ -113,13 +164,20 @@ def _drop_cached_pages(folder: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "checkpoint verification cost").splitlines()[0]
+    )
     parser.add_argument("--params", type=float, default=50.0, help="million parameters")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument(
         "--cold", action="store_true", help="drop the files' cached pages before every load"
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each load phase (median seconds per arm; adds a little overhead)",
     )
     parser.add_argument(
         "--no-optimizer-states",
@@ -148,11 +206,20 @@ def main() -> None:
             engine.load_checkpoint(root, tag="bench", **load)
         times: dict[str, list[float]] = {"verified": [], "unverified": [], "checksums": []}
         cpu: dict[str, list[float]] = {k: [] for k in times}
+        spans: dict[str, dict[str, list[float]]] = {"verified": {}, "unverified": {}}
 
         def timed(arm: str) -> None:
             if args.cold:
                 _drop_cached_pages(folder)
-            with _unverified() if arm == "unverified" else contextlib.nullcontext():
+            phases = contextlib.nullcontext()
+            if args.phases and arm in spans:
+                for values in spans[arm].values():
+                    values.append(0.0)
+                phases = _phase_timer(spans[arm])
+            with (
+                _unverified() if arm == "unverified" else contextlib.nullcontext(),
+                phases,
+            ):
                 start, start_cpu = time.perf_counter(), time.process_time()
                 if arm == "checksums":
                     verify_directory(folder)
@@ -182,6 +249,27 @@ def main() -> None:
     overhead = 100 * (med["verified"] / med["unverified"] - 1)
     cpu_overhead = 100 * (med_cpu["verified"] / med_cpu["unverified"] - 1)
     print(f"| overhead | {overhead:+.1f}% | | {cpu_overhead:+.1f}% |")
+    if args.phases:
+        _print_phases(spans, times)
+
+
+def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, list[float]]) -> None:
+    """The median seconds of each phase per arm (a phase first met in a later load counts 0
+    in the earlier ones)."""
+    print("\n| phase (median s) | unverified | verified |")
+    print("|---|---|---|")
+    labels = dict.fromkeys(k for arm in spans.values() for k in arm)
+    for label in labels:
+        row = []
+        for arm in ("unverified", "verified"):
+            values = spans[arm].get(label, [])
+            values = [0.0] * (len(times[arm]) - len(values)) + values
+            row.append(f"{statistics.median(values):.3f}" if values else "-")
+        print(f"| {label} | {row[0]} | {row[1]} |")
+    print(
+        f"| whole load | {statistics.median(times['unverified']):.3f} | "
+        f"{statistics.median(times['verified']):.3f} |"
+    )
 
 
 if __name__ == "__main__":

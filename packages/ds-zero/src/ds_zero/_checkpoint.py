@@ -585,6 +585,7 @@ def verify_checkpoint(
     group: Any = None,
     files: bool = True,
     pending: PendingVerification | None = None,
+    opened: dict[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Check a checkpoint directory: the manifest sealed, every file present with its size and
     checksums, every piece bound to the tensor range its file records, every element of every
@@ -599,6 +600,8 @@ def verify_checkpoint(
             see :func:`~ds_zero._integrity.verify_directory`); the rest is still checked.
         pending: the directory manifest's check, still running: a problem found here waits
             for its verdict too, so the error names a damaged file as such.
+        opened: the shard files the binding check mapped and unpickled are left here, for a
+            :class:`~ds_zero._manifest.ShardReader` of the same load (one parse per file).
 
     Returns:
         The manifest.
@@ -619,7 +622,7 @@ def verify_checkpoint(
         manifest = read_manifest(source)
         mine = sorted(manifest["files"])[rank::world]
         problems = file_problems(source, manifest, rank=rank, world_size=world) if files else []
-        problems += binding_problems(source, manifest, mine)
+        problems += binding_problems(source, manifest, mine, opened)
     except CheckpointError as exc:
         problems = [str(exc)]
     problems = list(dict.fromkeys(agree(problems, group)))
@@ -684,8 +687,11 @@ def load_sharded_checkpoint(
         )
     _, _, pg = _topology(optimizer)
     pending = verified if isinstance(verified, PendingVerification) else None
-    manifest = verify_checkpoint(source, group=pg, files=not verified, pending=pending)
-    reader = ShardReader(source, manifest)
+    opened: dict[str, Mapping[str, Any]] = {}  # each shard file parsed once, checked and read
+    manifest = verify_checkpoint(
+        source, group=pg, files=not verified, pending=pending, opened=opened
+    )
+    reader = ShardReader(source, manifest, opened)
 
     def settle(failure: BaseException | None) -> None:
         if pending is not None:

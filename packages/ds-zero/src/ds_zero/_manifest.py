@@ -249,9 +249,15 @@ class ShardReader:
         >>> reader.lookup("tok.weight", 0, 128)["exp_avg"]
     """
 
-    def __init__(self, directory: Path, manifest: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Mapping[str, Any],
+        opened: dict[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.directory, self.manifest = directory, manifest
-        self._open: dict[str, Mapping[str, torch.Tensor]] = {}
+        # Files already mapped and unpickled (by :func:`binding_problems`): parsed once per load.
+        self._open: dict[str, Mapping[str, Any]] = opened if opened is not None else {}
 
     def _file(self, file: str) -> Mapping[str, torch.Tensor]:
         if file not in self._open:
@@ -356,17 +362,25 @@ def write_manifest(manifest: Mapping[str, Any], path: Path) -> None:
 
 
 def binding_problems(
-    directory: Path, manifest: Mapping[str, Any], files: Sequence[str]
+    directory: Path,
+    manifest: Mapping[str, Any],
+    files: Sequence[str],
+    opened: dict[str, Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """Pieces whose key in ``files`` holds another tensor's elements than the manifest says:
     each shard file records, under ``__index__``, the tensor name and element range of each of
-    its keys, so a manifest pointing a piece at the wrong key is refused before loading."""
+    its keys, so a manifest pointing a piece at the wrong key is refused before loading.
+    ``opened``: each file read (mapped, unpickled) is left there for a :class:`ShardReader` of
+    the same load, so no shard file is parsed twice."""
     problems = []
     for file in files:
         if file not in manifest["files"] or not file.startswith("zero_shards_"):
             continue
         try:
-            index = load_file(directory / file, mmap=True).get(INDEX)
+            stored = load_file(directory / file, mmap=True)
+            if opened is not None and isinstance(stored, Mapping):
+                opened[file] = stored
+            index = stored.get(INDEX)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue

@@ -137,9 +137,9 @@ def zero_load_checkpoint_shards(zero: ZeroOptimizer, lookup: ShardLookup) -> Non
     if settle is not None:
         settle()
     with torch.no_grad():
-        for master, loaded in zip(zero.masters, masters):
-            if loaded is not None:
-                master.copy_(loaded)
+        for master, ranges in zip(zero.masters, masters):
+            if ranges is not None:
+                _write_ranges(master, ranges)
         _load_state(zero, states)
         for p, value in frozen:
             p.copy_(value)
@@ -150,21 +150,35 @@ def zero_load_checkpoint_shards(zero: ZeroOptimizer, lookup: ShardLookup) -> Non
     zero.reducer.zero()
 
 
+def _write_ranges(master: torch.Tensor, ranges: list[tuple[int, torch.Tensor]]) -> None:
+    """Write each ``(position, values)`` into ``master`` and zero what no range covers (the
+    padding): one copy from the lookup's tensors, no staging buffer of the master's size."""
+    at = 0
+    for start, values in sorted(ranges, key=lambda r: r[0]):
+        if start > at:
+            master.narrow(0, at, start - at).zero_()
+        master.narrow(0, start, values.numel()).copy_(values)
+        at = max(at, start + values.numel())
+    if at < master.numel():
+        master.narrow(0, at, master.numel() - at).zero_()
+
+
 def _read_shards(
     zero: ZeroOptimizer, lookup: ShardLookup
 ) -> tuple[
-    list[torch.Tensor | None],
+    list[list[tuple[int, torch.Tensor]] | None],
     list[dict[str, torch.Tensor]],
     list[tuple[torch.nn.Parameter, torch.Tensor]],
 ]:
-    """This rank's ranges from ``lookup``, in new tensors: per master the loaded fp32 values
-    (None without ``load_from_fp32_weights``) and its elementwise state, and the frozen
-    parameters' values."""
+    """This rank's ranges from ``lookup``, in new tensors: per master the loaded fp32 ranges
+    as ``(position in the partition, values)`` (None without ``load_from_fp32_weights``; the
+    lookup's own tensors, written into the master only after the verdict), its elementwise
+    state, and the frozen parameters' values."""
     from_checkpoint = zero.config.load_from_fp32_weights
-    masters: list[torch.Tensor | None] = []
+    masters: list[list[tuple[int, torch.Tensor]] | None] = []
     states: list[dict[str, torch.Tensor]] = []
     for group, master in zip(zero.groups, zero.masters):
-        loaded = torch.zeros_like(master) if from_checkpoint else None
+        loaded: list[tuple[int, torch.Tensor]] | None = [] if from_checkpoint else None
         state: dict[str, torch.Tensor] = {}
         keys: set[str] | None = None
         for name, _, start, stop, at in _held_ranges(zero, group):
@@ -179,7 +193,7 @@ def _read_shards(
                 )
             keys = found
             if loaded is not None:
-                loaded.narrow(0, at, stop - start).copy_(values["param"])
+                loaded.append((at, values["param"].reshape(-1)))
             for key in found:
                 if key not in state:  # one buffer per value, not one per range
                     state[key] = torch.zeros_like(master)
