@@ -24,6 +24,7 @@ This script is not imported by ds; it exists so the fixtures can be regenerated 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -122,14 +123,19 @@ def run_zero_case(out: Path, stage: int, dtype: str, rank: int, world: int) -> d
     torch.manual_seed(0)
     model = Net()
     cfg = config(stage, dtype, world)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    # A copy each time: DeepSpeed 0.16's initialize pops keys (``torch_adam``) out of the config.
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg)
+    )
     trained = _steps(engine, 0, TRAIN_STEPS, rank, world, dtype)
     engine.save_checkpoint(str(save_dir), tag="step3", client_state=CLIENT_STATE)
     continued = _steps(engine, TRAIN_STEPS, RESUME_STEPS, rank, world, dtype)
     torch.distributed.barrier()
     torch.manual_seed(99)  # a different start: the checkpoint must overwrite it
     fresh = Net()
-    engine2, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg)
+    engine2, *_ = deepspeed.initialize(
+        model=fresh, model_parameters=fresh.parameters(), config=copy.deepcopy(cfg)
+    )
     _, client = engine2.load_checkpoint(str(save_dir), tag=None)
     resumed = _steps(engine2, TRAIN_STEPS, RESUME_STEPS, rank, world, dtype)
     return {
@@ -181,7 +187,7 @@ def run_pipe_case(out: Path, rank: int, world: int) -> dict:
         torch.manual_seed(seed)
         model = _pipe_model()
         engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=cfg
+            model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg)
         )
         return engine
 
@@ -253,7 +259,9 @@ def run_moe_case(out: Path, rank: int, world: int, stage: int = 0) -> dict:
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "params"}
         )
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=groups, config=copy.deepcopy(cfg)
+        )
         return engine
 
     engine = build(0)

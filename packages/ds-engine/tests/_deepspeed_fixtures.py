@@ -1,6 +1,7 @@
 """The model, data and loop of ``tools/compat/make_deepspeed_checkpoints.py``, for ds.
 
-The fixtures under ``fixtures/deepspeed_0.19.8`` were written by real DeepSpeed with that
+The fixtures under ``fixtures/deepspeed_0.19.8`` (every case) and ``fixtures/deepspeed_0.16.9``
+(a few ZeRO cases, the oldest DeepSpeed ds reads) were written by real DeepSpeed with that
 script; these helpers rebuild the same model and batches so ds can resume them and compare its
 losses with the ones DeepSpeed recorded in ``expected.json``.
 """
@@ -15,7 +16,17 @@ from typing import Any
 
 import torch
 
-FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_0.19.8"
+LATEST = "0.19.8"
+OLDEST = "0.16.9"
+VERSIONS = (LATEST, OLDEST)  # the DeepSpeed releases whose checkpoints the tests read
+
+
+def fixtures(version: str = LATEST) -> Path:
+    """The folder of checkpoints DeepSpeed ``version`` wrote."""
+    return Path(__file__).parent / "fixtures" / f"deepspeed_{version}"
+
+
+FIXTURES = fixtures()
 DSREF_PYTHON = Path("/tmp/dsref/bin/python")
 GENERATOR = Path(__file__).parents[3] / "tools" / "compat" / "make_deepspeed_checkpoints.py"
 # The model, data and sizes the fixtures were made with: the generating script's own, so the two
@@ -36,8 +47,8 @@ IN, HIDDEN, MID, OUT, GLOBAL_BATCH = (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def expected() -> dict[str, Any]:
-    return json.loads((FIXTURES / "expected.json").read_text())
+def expected(version: str = LATEST) -> dict[str, Any]:
+    return json.loads((fixtures(version) / "expected.json").read_text())
 
 
 def config_for(case: dict[str, Any], world: int, stage: int | None = None) -> dict[str, Any]:

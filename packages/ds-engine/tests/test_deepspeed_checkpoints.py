@@ -1,5 +1,6 @@
 """Checkpoints real DeepSpeed 0.19.8 wrote (``fixtures/deepspeed_0.19.8``, made by
-``tools/compat/make_deepspeed_checkpoints.py``) resume in ds on 1 and 2 ranks, and crafted
+``tools/compat/make_deepspeed_checkpoints.py``) resume in ds on 1 and 2 ranks, and so do a few
+that DeepSpeed 0.16.9 wrote (``fixtures/deepspeed_0.16.9``, the oldest release ds reads); crafted
 pickles in every file position are refused without running code.
 
 [Note: DeepSpeed resume tolerance]
@@ -33,10 +34,12 @@ def _tolerance(dtype: str, stage: int) -> float:
     return FP16_STAGE0_TOLERANCE if (dtype, stage) == ("fp16", 0) else TOLERANCE[dtype]
 
 
-def _resume_body(rank: int, world: int, name: str, stage: int | None) -> dict:
-    case = fx.expected()["cases"][name]
+def _resume_body(
+    rank: int, world: int, name: str, stage: int | None, version: str = fx.LATEST
+) -> dict:
+    case = fx.expected(version)["cases"][name]
     engine = fx.build_engine(fx.config_for(case, world, stage))
-    path, client = engine.load_checkpoint(str(fx.FIXTURES / name))
+    path, client = engine.load_checkpoint(str(fx.fixtures(version) / name))
     result = {
         "path": path,
         "client": {k: client.get(k) for k in ("epoch", "note", "ids")},
@@ -64,6 +67,14 @@ _QUICK = [
     ("zero3_bf16_w1", 2),
     ("zero3_fp16_w2", 1),
 ]
+# DeepSpeed 0.16.9's checkpoints (the oldest release ds reads), each into the other world size.
+_QUICK_OLDEST = [
+    ("zero0_fp32_w2", 1),
+    ("zero1_fp32_w2", 1),
+    ("zero2_bf16_w2", 2),
+    ("zero3_fp32_w2", 1),
+]
+_RESUMES = [(fx.LATEST, n, w) for n, w in _QUICK] + [(fx.OLDEST, n, w) for n, w in _QUICK_OLDEST]
 _ALL = [
     (name, world)
     for name in sorted(fx.expected()["cases"])
@@ -73,23 +84,31 @@ _ALL = [
 _SLOW = [c for c in _ALL if c not in _QUICK]
 
 
-def _check_resume(name: str, world: int, stage: int | None = None) -> None:
-    case = fx.expected()["cases"][name]
-    result = run_on_ranks(_resume_body, world, name, stage, timeout=180)[0]
+def _check_resume(
+    name: str, world: int, stage: int | None = None, version: str = fx.LATEST
+) -> None:
+    case = fx.expected(version)["cases"][name]
+    result = run_on_ranks(_resume_body, world, name, stage, version, timeout=180)[0]
     reference = case["resumed_losses"]
     diff = max(abs(a - b) for a, b in zip(result["losses"], reference))
     tolerance = _tolerance(case["dtype"], case["stage"])
     assert diff <= tolerance, (name, world, result["losses"], reference, diff)
-    assert result["client"] == fx.expected()["client_state"]
+    assert result["client"] == fx.expected(version)["client_state"]
     assert result["global_steps"] == case["global_steps_after_resume"] - 3  # as saved
     assert result["global_samples"] == 3 * fx.GLOBAL_BATCH
     assert result["skipped_steps"] == 0
     assert result["path"].endswith("step3")
 
 
-@pytest.mark.parametrize(("name", "world"), _QUICK, ids=[f"{n}-to-w{w}" for n, w in _QUICK])
-def test_deepspeed_checkpoint_resumes_its_loss_trajectory(name: str, world: int) -> None:
-    _check_resume(name, world)
+@pytest.mark.parametrize(
+    ("version", "name", "world"),
+    _RESUMES,
+    ids=[f"{n}-to-w{w}" if v == fx.LATEST else f"{v}-{n}-to-w{w}" for v, n, w in _RESUMES],
+)
+def test_deepspeed_checkpoint_resumes_its_loss_trajectory(
+    version: str, name: str, world: int
+) -> None:
+    _check_resume(name, world, version=version)
 
 
 @pytest.mark.slow
