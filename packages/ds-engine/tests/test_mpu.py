@@ -1,6 +1,7 @@
 """Custom model parallelism through an ``mpu``: a column/row-parallel MLP (written here) trained
-by the engine, with gradients reduced over the mpu's data-parallel group only, matches the full
-MLP trained in a single process."""
+by the engine, with gradients reduced over the mpu's data-parallel group only and clipped by the
+global norm (sharded parameters summed over the model-parallel group, replicated ones counted
+once), matches the full MLP trained and clipped in a single process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from torch import nn
 from ds_testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_testing import HIDDEN, config, make_dataset, make_mlp, reference_adam
+from _engine_testing import HIDDEN, config, loss_of, make_dataset, make_mlp
+
+CLIP = 0.05  # below every step's norm, so each step is clipped by a different factor
 
 
 class _CopyToModelParallel(torch.autograd.Function):
@@ -66,12 +69,26 @@ class ParallelMLP(nn.Module):
             self.up.weight.copy_(full[0].weight[cols])
             self.up.bias.copy_(full[0].bias[cols])
             self.down.weight.copy_(full[3].weight[:, cols])
+        for p in (self.up.weight, self.up.bias, self.down.weight):
+            p.model_parallel = True  # split over the group; down_bias is replicated
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _CopyToModelParallel.apply(x, self.group)
         partial = self.down(torch.relu(self.up(x)))
         return _ReduceFromModelParallel.apply(partial, self.group) + self.down_bias
+
+
+def _reference(model: nn.Module, batches: list[list[torch.Tensor]]) -> tuple[dict, list[float]]:
+    """Single-process Adam, clipped to ``CLIP``: the final weights and each step's norm."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    norms = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss_of(model, batch).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def _mpu_body(rank: int, world_size: int, *, stage: int) -> float:
@@ -88,23 +105,25 @@ def _mpu_body(rank: int, world_size: int, *, stage: int) -> float:
     data = make_dataset(micro * dp * steps)
     rows = micro * dp
     batches = [[t[i * rows : (i + 1) * rows] for t in data.tensors] for i in range(steps)]
-    reference = reference_adam(make_mlp(), batches)
+    reference, ref_norms = _reference(make_mlp(), batches)
     model = ParallelMLP(make_mlp(), mp_rank, mp, mpu.get_model_parallel_group())
-    cfg = config(train_micro_batch_size_per_gpu=micro, zero_optimization={"stage": stage})
-    clipped = {**cfg, "gradient_clipping": 1.0}
-    try:
-        ds_engine.initialize(
-            model=ParallelMLP(make_mlp(), mp_rank, mp, None), config=clipped, mpu=mpu
-        )
-        raise AssertionError("clipping with model parallelism must be refused")
-    except ds_engine.ConfigError as exc:
-        assert "model-parallel" in str(exc)
+    cfg = config(
+        train_micro_batch_size_per_gpu=micro,
+        zero_optimization={"stage": stage},
+        gradient_clipping=CLIP,
+    )
     engine, *_ = ds_engine.initialize(model=model, config=cfg, mpu=mpu)
     assert engine.train_batch_size() == micro * dp  # the triad uses the data-parallel size
+    norms = []
     for x, y in batches:
         mine = slice(dp_rank * micro, (dp_rank + 1) * micro)
         engine.backward(nn.functional.mse_loss(engine(x[mine]), y[mine]))
         engine.step()
+        norms.append(engine.get_global_grad_norm())
+    for norm, ref in zip(norms, ref_norms, strict=True):
+        assert abs(norm - ref) <= 1e-5 * ref, (norms, ref_norms)
+    if stage == 3:
+        return 0.0  # the weights are partitioned; the matching norms and the loss say enough
     cols = model.cols
     pairs = [
         (model.up.weight, reference["0.weight"][cols]),
@@ -115,8 +134,11 @@ def _mpu_body(rank: int, world_size: int, *, stage: int) -> float:
     return max((a.detach() - b).abs().max().item() / b.abs().max().item() for a, b in pairs)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("stage", [0, 2])
-def test_column_row_parallel_mlp_matches_the_full_mlp(world_size: int, stage: int) -> None:
+@pytest.mark.parametrize("world_size", [2, 4])  # mp=2 x dp=1, mp=2 x dp=2
+@pytest.mark.parametrize(
+    "stage",
+    [0, 2, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+)
+def test_column_row_parallel_mlp_clipped_matches_the_full_mlp(world_size: int, stage: int) -> None:
     errors = run_on_ranks(_mpu_body, world_size, stage=stage, timeout=300, fresh=True)
     assert max(errors) < 1e-5

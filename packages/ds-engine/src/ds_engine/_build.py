@@ -11,7 +11,13 @@ from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_optim import GradientStep, build_lr_scheduler, build_optimizer
 from ds_zero import SelfReducingStep, build_zero_optimizer
 
-__all__ = ["build_client_optimizer", "build_gradient_step", "build_scheduler"]
+__all__ = [
+    "build_client_optimizer",
+    "build_gradient_step",
+    "build_scheduler",
+    "is_model_parallel_parameter",
+    "model_parallel_norm_options",
+]
 
 
 def build_client_optimizer(
@@ -109,3 +115,27 @@ def build_gradient_step(
         gradient_clipping=config.gradient_clipping,
         **zero_options,
     )
+
+
+def is_model_parallel_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a shard split over the model-parallel group (Megatron/DeepSpeed
+    mark those ``model_parallel = True`` or ``tensor_model_parallel = True``)."""
+    return bool(getattr(param, "model_parallel", False)) or bool(
+        getattr(param, "tensor_model_parallel", False)
+    )
+
+
+def model_parallel_norm_options(module: torch.nn.Module, mpu: Any) -> dict[str, Any]:
+    """ds-zero's ``norm_group``/``norm_exclude`` that make the gradient norm global over an
+    mpu's model-parallel group, each element counted once (empty without model parallelism).
+
+    A model-parallel parameter's shards are disjoint, so every rank's squares are summed over
+    the group; a replicated parameter (unmarked) is identical on every model-parallel rank, so
+    only model-parallel rank 0 counts it, as DeepSpeed's ``clip_grad_norm_`` does.
+    """
+    if mpu is None or mpu.get_model_parallel_world_size() <= 1:
+        return {}
+    exclude: list[torch.nn.Parameter] = []
+    if mpu.get_model_parallel_rank() != 0:
+        exclude = [p for p in module.parameters() if not is_model_parallel_parameter(p)]
+    return {"norm_group": mpu.get_model_parallel_group(), "norm_exclude": exclude}

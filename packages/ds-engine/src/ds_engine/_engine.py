@@ -24,7 +24,12 @@ from torch import nn
 import ds_comm
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
-from ds_engine._build import build_client_optimizer, build_gradient_step, build_scheduler
+from ds_engine._build import (
+    build_client_optimizer,
+    build_gradient_step,
+    build_scheduler,
+    model_parallel_norm_options,
+)
 from ds_engine._data_efficiency import DataEfficiencyMixin
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._flops_engine import EngineFlopsProfile
@@ -175,15 +180,6 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
                 "group, which MoE expert parameters cannot use; choose Adam/AdamW or another "
                 "optimizer that ds-zero reduces"
             )
-        mp_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
-        if mp_size > 1 and config.gradient_clipping > 0:
-            # ds-zero takes the gradient norm over the data-parallel group only; clipping each
-            # model-parallel shard by its own norm would make replicated parameters diverge.
-            raise ConfigError(
-                f"gradient_clipping = {config.gradient_clipping:g} with a model-parallel mpu "
-                f"(size {mp_size}) is not supported yet: the global norm would need the "
-                "model-parallel group too; set gradient_clipping to 0"
-            )
         if self.self_reducing:
             return build_gradient_step(
                 self.module, client, config, group=self.dp_group, loss_scaler=self.loss_scaler
@@ -201,6 +197,8 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
                 None if config.prescale_gradients else config.gradient_predivide_factor
             ),
             communication_data_type=config.communication_data_type,
+            # the norm over the mpu's model-parallel group too, replicated parameters once
+            **model_parallel_norm_options(self.module, self.mpu),
         )
 
     def _build_scheduler(self, lr_scheduler: Any) -> Any:
