@@ -15,6 +15,14 @@ from ds_kernels._moe_combine import (
     moe_combine_weight_grad_reference,
 )
 from ds_kernels._moe_dispatch import moe_dispatch, moe_dispatch_reference
+from ds_kernels._quantize import (
+    QuantizedBlocks,
+    dequantize_blockwise,
+    dequantize_blockwise_reference,
+    quantize_blockwise,
+    quantize_blockwise_reference,
+    quantized_nbytes,
+)
 from ds_kernels._scaled_add import scaled_add, scaled_add_reference
 from ds_kernels._triton import triton_available
 from ds_kernels.api import Backend
@@ -34,6 +42,13 @@ __all__ = [
     "moe_combine_reference",
     "moe_combine_weight_grad",
     "moe_combine_weight_grad_reference",
+    # blockwise int8/int4 quantization (ZeRO++ qwZ/qgZ wire format)
+    "quantize_blockwise",
+    "quantize_blockwise_reference",
+    "dequantize_blockwise",
+    "dequantize_blockwise_reference",
+    "quantized_nbytes",
+    "QuantizedBlocks",
     # dispatch
     "Backend",
     "triton_available",
