@@ -176,3 +176,23 @@ def test_dequantize_rejects_mismatches() -> None:
         ds_kernels.dequantize_blockwise(q, scales, block_size=32, shape=(10,))
     with pytest.raises(TypeError, match="dtype must be float32"):
         ds_kernels.dequantize_blockwise(q, scales, block_size=32, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ties_round_half_to_even(request: pytest.FixtureRequest, backend: str) -> None:
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    # absmax 127 makes the int8 scale exactly 1, so these land on ties.
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5], device=device)
+    q, scales = ds_kernels.quantize_blockwise(x, block_size=8, backend=backend)  # type: ignore[arg-type]
+    assert scales.tolist() == [1.0]
+    assert q.tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
+def test_non_contiguous_input_runs_the_reference() -> None:
+    x = _x((16, 8), torch.float32).t()
+    assert not x.is_contiguous()
+    q, scales = ds_kernels.quantize_blockwise(x, block_size=32)
+    ref = ds_kernels.quantize_blockwise_reference(x.contiguous(), block_size=32)
+    assert torch.equal(q, ref.q) and torch.equal(scales, ref.scales)
+    out = ds_kernels.dequantize_blockwise(q, scales, block_size=32, shape=x.shape)
+    torch.testing.assert_close(out, x, atol=float(scales.max()) / 2, rtol=0)
