@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_engine._flops_config import FlopsProfilerConfig
-from ds_engine.profiling.flops_profiler import FlopsProfiler
+
+if TYPE_CHECKING:  # imported when enabled: ``import deepspeed`` keeps ``profiling`` lazy
+    from ds_engine.profiling.flops_profiler import FlopsProfiler
 
 __all__ = ["EngineFlopsProfile"]
 
@@ -32,6 +34,8 @@ class EngineFlopsProfile:
         self.rank = engine.global_rank
         self.profiler: FlopsProfiler | None = None
         if config.enabled:
+            from ds_engine.profiling.flops_profiler import FlopsProfiler
+
             self.profiler = FlopsProfiler(engine.module, engine, config.recompute_fwd_factor)
 
     def due(self, global_steps: int) -> bool:
