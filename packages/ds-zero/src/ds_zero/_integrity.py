@@ -96,9 +96,11 @@ class CheckpointError(ValueError):
 # --- checksums -----------------------------------------------------------------------------------
 
 
-def _threads() -> int:
+def _threads(reserve: int = 0) -> int:
+    """Checksum threads for this process: its share of the cores (``LOCAL_WORLD_SIZE``
+    processes share them), less ``reserve`` cores left to a loader running beside them."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, (os.cpu_count() or 1) // max(1, local)))
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, local) - reserve))
 
 
 def _crc_range(path: Path, start: int, length: int) -> int:
@@ -531,9 +533,16 @@ class PendingVerification:
     Made by :func:`start_verification`. :meth:`wait` is the verdict, collective over the group
     (every rank calls it at the same point; all get the same answer); nothing read from the
     directory may be used before the :meth:`wait` that covers its file returned.
+    ``overlap``: a loader runs beside the checksums, so one core is left to it.
     """
 
-    def __init__(self, directory: Path, group: Any, values: Collection[str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        group: Any,
+        values: Collection[str] | None = None,
+        overlap: bool = True,
+    ) -> None:
         self.directory, self.group, self.values = directory, group, values
         self.rank, self.world = _topology(group)
         self.manifest: dict[str, Any] = {}
@@ -548,8 +557,12 @@ class PendingVerification:
             self._noted.append(str(exc))
             return
         files = self.manifest["files"]
-        mine = _share(files, self.rank, self.world)
-        self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ds-verify")
+        # The smallest files first: a loader reads the model states before the big optimizer
+        # shards, so the checksums read its pages with it, then run ahead of it (read-ahead
+        # from a cold disk). One core is left to the loader (``overlap``).
+        mine = sorted(_share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
+        threads = _threads(reserve=1 if overlap else 0)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-verify")
         for name in mine:
             self._jobs[name] = self._submit(name, files[name])
 
@@ -678,5 +691,5 @@ def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) ->
     Example:
         >>> verify_directory("ckpts/global_step100")["files"].keys()
     """
-    with start_verification(directory, group=group) as pending:
-        return pending.wait()
+    with PendingVerification(Path(directory), group, overlap=False) as pending:
+        return pending.wait()  # nothing runs beside the checksums: every core hashes
