@@ -57,6 +57,7 @@ from ds_comm._compressed import CompressedAllReduce, compressed_all_reduce
 from ds_comm._device_guard import device_guard, group_device
 from ds_comm._env import LaunchEnv
 from ds_comm._gather_scatter import all_to_all, gather, monitored_barrier, scatter
+from ds_comm._grid import GridMpu, ParallelGrid, ParallelLayout
 from ds_comm._init import (
     destroy_process_group,
     get_local_rank,
@@ -180,6 +181,9 @@ __all__ = [
     "PipeModelDataParallelTopology",
     "ProcessGrid",
     "Mpu",
+    "ParallelGrid",
+    "ParallelLayout",
+    "GridMpu",
     "MpuProtocol",
     # observability
     "CommsLoggerConfig",
