@@ -57,12 +57,13 @@ _LAZY_NAMES = {
     "log_dist": "ds_engine.utils",
     "logger": "ds_engine.utils",
     "OnDevice": "ds_engine.utils",
+    "tp_model_init": "ds_engine._autotp",
+    "gather_tp_state_dict": "ds_engine._autotp",
 }
 # DeepSpeed's top-level names for features ds does not implement: callables that refuse.
 _NOT_IMPLEMENTED = {
     "init_inference": "DeepSpeed-Inference (kernel injection, inference engine)",
     "default_inference_config": "DeepSpeed-Inference (kernel injection, inference engine)",
-    "tp_model_init": "automatic tensor parallelism (AutoTP)",
 }
 
 __all__ = [
@@ -86,6 +87,8 @@ __all__ = [
     "log_dist",
     "logger",
     "OnDevice",
+    "tp_model_init",
+    "gather_tp_state_dict",
     *sorted(_SUBMODULES),
     "__version__",
 ]

@@ -256,6 +256,8 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "dtype": "torch.float16",
         },
         inert={"autotp_size": (1,)},
+        note="To shard a model by hand, call deepspeed.tp_model_init(model, tp_size, dtype) "
+        "(docs/tensor_parallel.md).",
     ),
     "expert_parallel": NotImplementedFeature(
         "automatic expert parallelism (AutoEP)",

@@ -1,0 +1,211 @@
+"""``deepspeed.tp_model_init``: shard an unmodified ``nn.Module``'s linears over a tensor-parallel
+group, and ``gather_tp_state_dict``, the inverse for saving merged weights.
+
+The policy picks each ``nn.Linear``'s split by its name (Llama/Mistral/GPT-style projection
+names) or by shape (a two-linear ``nn.Sequential`` MLP); a user mapping overrides it. Linears the
+policy does not recognise stay whole (replicated), which is always correct, only not sharded.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+import ds_comm
+from ds_engine._autotp_layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["gather_tp_state_dict", "tp_model_init"]
+
+# Last name component -> split, for Llama/Mistral/Qwen/OPT/BERT-style blocks.
+_COLUMN_NAMES = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "fc1",
+        "query",
+        "key",
+        "value",
+        "w1",
+        "w3",
+    }
+)
+_ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "w2"})
+# Integer head-count attributes divided by tp_size on the parent of a column-split projection.
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads")
+_CHOICES = ("column", "row", "skip")
+
+
+def _override(name: str, mapping: Mapping[str, str]) -> str | None:
+    for pattern, choice in mapping.items():
+        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}"):
+            if choice not in _CHOICES:
+                raise ValueError(
+                    f"tp_model_init: policy[{pattern!r}] = {choice!r} is not one of {_CHOICES}"
+                )
+            return choice
+    return None
+
+
+def _sequential_mlp(model: nn.Module) -> dict[str, str]:
+    # nn.Sequential(Linear(d, h), <parameterless activation>, Linear(h, d)): column then row.
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        children = list(module.children()) if isinstance(module, nn.Sequential) else []
+        if len(children) != 3 or not all(isinstance(c, nn.Linear) for c in children[::2]):
+            continue
+        first, act, last = children
+        if next(act.parameters(), None) is None and first.out_features == last.in_features:
+            prefix = f"{name}." if name else ""
+            found[f"{prefix}0"], found[f"{prefix}2"] = "column", "row"
+    return found
+
+
+def _plan(model: nn.Module, policy: Mapping[str, str] | None) -> dict[str, str]:
+    """Module name -> "column" | "row" for every linear to split."""
+    mlp = _sequential_mlp(model)
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Conv1D":  # transformers' GPT-2 fused c_attn/c_proj/c_fc
+            choice = _override(name, policy or {})
+            if choice in ("column", "row"):
+                raise NotImplementedError(
+                    f"tp_model_init: {name!r} is a transformers Conv1D (GPT-2); splitting Conv1D "
+                    "is not implemented. Map it to 'skip' or convert the model to nn.Linear."
+                )
+            if choice is None:
+                raise NotImplementedError(
+                    f"tp_model_init: {name!r} is a transformers Conv1D (GPT-2 c_attn/c_proj/c_fc); "
+                    "sharding GPT-2's fused Conv1D layers is not implemented. Pass "
+                    "policy={'c_attn': 'skip', 'c_proj': 'skip', 'c_fc': 'skip'} to keep them whole."
+                )
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        choice = _override(name, policy or {})
+        if choice is None:
+            choice = mlp.get(name)
+        if choice is None:
+            choice = "column" if leaf in _COLUMN_NAMES else "row" if leaf in _ROW_NAMES else "skip"
+        if choice != "skip":
+            plan[name] = choice
+    return plan
+
+
+def _default_group(tp_size: int) -> Any:
+    world = ds_comm.get_world_size()
+    if world % tp_size:
+        raise ValueError(
+            f"tp_model_init: tp_size={tp_size} does not divide the world size {world}; "
+            "pass tp_group or a tp_size that divides it"
+        )
+    if tp_size == world:
+        return None
+    mine = None
+    for start in range(0, world, tp_size):  # every rank creates every group, in order
+        group = ds_comm.new_group(list(range(start, start + tp_size)))
+        if start <= ds_comm.get_rank() < start + tp_size:
+            mine = group
+    return mine
+
+
+def _check_divisible(name: str, linear: nn.Linear, choice: str, tp_size: int) -> None:
+    features, what = (
+        (linear.out_features, "out_features")
+        if choice == "column"
+        else (linear.in_features, "in_features")
+    )
+    if features % tp_size:
+        raise ValueError(
+            f"tp_model_init: {name!r} ({choice}-parallel) has {what}={features}, "
+            f"not divisible by tp_size={tp_size}; map it to 'skip' or choose a tp_size dividing it"
+        )
+
+
+def _divide_heads(module: nn.Module, name: str, tp_size: int) -> None:
+    for attr in HEAD_ATTRIBUTES:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % tp_size:
+                raise ValueError(
+                    f"tp_model_init: {name or 'model'}.{attr}={value} is not divisible by "
+                    f"tp_size={tp_size}"
+                )
+            setattr(module, attr, value // tp_size)
+
+
+def tp_model_init(
+    model: nn.Module,
+    tp_size: int,
+    dtype: torch.dtype,
+    tp_group: Any = None,
+    policy: Mapping[str, str] | None = None,
+) -> nn.Module:
+    """Shard ``model``'s linears over a tensor-parallel group, in place, and return it.
+
+    Args:
+        model: an unmodified module (its weights identical on every rank of the group).
+        tp_size: ranks in the tensor-parallel group.
+        dtype: the model is cast to it first.
+        tp_group: the group; None: consecutive blocks of ``tp_size`` ranks of the world.
+        policy: ``{name_pattern: "column" | "row" | "skip"}`` overriding the detected split;
+            a pattern is an ``fnmatch`` glob matched against the full module name or its tail.
+
+    Differs from DeepSpeed 0.19, whose ``tp_model_init`` only records its arguments for
+    ``initialize()``: here the sharding happens now (see docs/tensor_parallel.md).
+    """
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size={tp_size!r} must be a positive int")
+    model.to(dtype)
+    if tp_size == 1:
+        return model
+    group = tp_group if tp_group is not None else _default_group(tp_size)
+    if ds_comm.get_world_size(group) != tp_size:
+        raise ValueError(
+            f"tp_model_init: tp_group has {ds_comm.get_world_size(group)} ranks, tp_size={tp_size}"
+        )
+    tp_rank = ds_comm.get_rank(group)
+    plan = _plan(model, policy)
+    modules = dict(model.named_modules())
+    linears = {name: cast(nn.Linear, modules[name]) for name in plan}
+    for name, choice in plan.items():
+        _check_divisible(name, linears[name], choice, tp_size)
+    heads_done: set[str] = set()
+    for name, choice in plan.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules[parent_name]
+        layer = ColumnParallelLinear if choice == "column" else RowParallelLinear
+        setattr(parent, leaf, layer(linears[name], group, tp_rank, tp_size))
+        if choice == "column" and parent_name not in heads_done:
+            heads_done.add(parent_name)
+            _divide_heads(parent, parent_name, tp_size)
+    return model
+
+
+def gather_tp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of a ``tp_model_init`` model, on every rank of the group.
+
+    Collective over each tensor-parallel group: every rank must call it. Keys are those of the
+    original model.
+    """
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        prefix = f"{name}." if name else ""
+        for pname, param in module.named_parameters(recurse=False):
+            if not getattr(param, "tensor_model_parallel", False):
+                continue
+            dim = param.partition_dim  # type: ignore[attr-defined]
+            local = param.detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(module.tp_size)]
+            ds_comm.all_gather(parts, local, group=module.group)
+            state[prefix + pname] = torch.cat(parts, dim=dim)
+    return state

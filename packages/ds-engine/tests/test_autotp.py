@@ -1,0 +1,145 @@
+"""``deepspeed.tp_model_init`` on 2 real gloo ranks (tp=2): forward and every gradient equal the
+single-process model's (a shard's gradient is the matching slice), merged weights round-trip,
+the policy override works and bad shapes fail clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_testing import run_on_ranks
+
+
+class _Attention(nn.Module):
+    """Llama-style attention: per-head shapes from ``num_heads``; ``-1`` for the hidden size."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(att.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 4) -> None:
+        super().__init__()
+        self.self_attn = _Attention(dim, heads)
+        self.gate_proj, self.up_proj = nn.Linear(dim, 16, bias=False), nn.Linear(dim, 16)
+        self.down_proj = nn.Linear(16, dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, 12), nn.GELU(), nn.Linear(12, dim))
+        self.lm_head = nn.Linear(dim, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.lm_head(x + self.ffn(x))
+
+
+class _Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(torch.tanh(self.a(x))))
+
+
+def _grads_and_output(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).pow(2).sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check_parity(make: type[nn.Module], x: torch.Tensor, policy: dict | None = None) -> list[str]:
+    import ds_engine as deepspeed
+    from ds_engine._autotp_layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    reference = make().double()
+    model = make().double()
+    model.load_state_dict(reference.state_dict())
+    full_state = {k: v.clone() for k, v in reference.state_dict().items()}
+    ref_out, ref_grads = _grads_and_output(reference, x)
+    deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float64, policy=policy)
+    out, grads = _grads_and_output(model, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    rank = torch.distributed.get_rank()
+    for name, param in model.named_parameters():
+        expected = ref_grads[name]
+        if getattr(param, "tensor_model_parallel", False):
+            expected = expected.chunk(2, dim=param.partition_dim)[rank]  # type: ignore[attr-defined]
+        assert grads[name].shape == expected.shape, name
+        torch.testing.assert_close(grads[name], expected, rtol=1e-12, atol=1e-12, msg=name)
+    merged = deepspeed.gather_tp_state_dict(model)
+    assert merged.keys() == full_state.keys()
+    for key, value in full_state.items():
+        assert torch.equal(merged[key], value), key
+    parallel = (ColumnParallelLinear, RowParallelLinear)
+    return sorted(
+        f"{n}:{type(m).__name__[:3]}" for n, m in model.named_modules() if isinstance(m, parallel)
+    )
+
+
+def _autotp_body(rank: int, world_size: int) -> dict:
+    import deepspeed
+
+    torch.manual_seed(1)
+    result = {"block": _check_parity(_Block, torch.randn(2, 5, 8, dtype=torch.float64))}
+    result["custom"] = _check_parity(
+        _Custom, torch.randn(3, 4, dtype=torch.float64), {"a": "column", "b": "row"}
+    )
+    torch.manual_seed(0)
+    block = deepspeed.tp_model_init(_Block(), 2, torch.float64)
+    result["heads"] = block.self_attn.num_heads
+    with pytest.raises(ValueError, match=r"'lm_head'.*out_features=5.*tp_size=2"):
+        odd = _Block()
+        odd.lm_head = nn.Linear(8, 5)
+        deepspeed.tp_model_init(odd, 2, torch.float64, policy={"lm_head": "column"})
+    with pytest.raises(ValueError, match="not one of"):
+        deepspeed.tp_model_init(_Custom(), 2, torch.float64, policy={"a": "rows"})
+    return result
+
+
+def test_tp2_matches_single_process_and_merges_back() -> None:
+    results = run_on_ranks(_autotp_body, 2)
+    assert results[0] == results[1]
+    assert results[0]["block"] == [
+        "down_proj:Row",
+        "ffn.0:Col",
+        "ffn.2:Row",
+        "gate_proj:Col",
+        "self_attn.k_proj:Col",
+        "self_attn.o_proj:Row",
+        "self_attn.q_proj:Col",
+        "self_attn.v_proj:Col",
+        "up_proj:Col",
+    ]
+    assert results[0]["custom"] == ["a:Col", "b:Row"]
+    assert results[0]["heads"] == 2
+
+
+def test_autotp_config_key_is_refused_and_points_at_tp_model_init() -> None:
+    from ds_engine import ConfigError, DeepSpeedConfig
+
+    with pytest.raises(ConfigError, match=r"autotp_size.*not implemented.*tp_model_init"):
+        DeepSpeedConfig.from_dict({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}})
+
+
+def test_tp_size_one_only_casts() -> None:
+    import deepspeed
+
+    model = deepspeed.tp_model_init(_Custom(), 1, torch.float64)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert isinstance(model.a, nn.Linear)
