@@ -143,3 +143,18 @@ def test_tp_size_one_only_casts() -> None:
     model = deepspeed.tp_model_init(_Custom(), 1, torch.float64)
     assert all(p.dtype == torch.float64 for p in model.parameters())
     assert isinstance(model.a, nn.Linear)
+
+
+def test_gpt2_conv1d_is_refused_unless_skipped() -> None:
+    from ds_engine._autotp import _plan
+
+    class Conv1D(nn.Module):  # the name transformers' GPT-2 layers carry
+        pass
+
+    model = nn.Module()
+    model.c_attn, model.q_proj = Conv1D(), nn.Linear(4, 4)
+    with pytest.raises(NotImplementedError, match=r"'c_attn'.*Conv1D.*'skip'"):
+        _plan(model, None)
+    with pytest.raises(NotImplementedError, match=r"'c_attn'.*Conv1D"):
+        _plan(model, {"c_attn": "column"})
+    assert _plan(model, {"c_attn": "skip"}) == {"q_proj": "column"}
