@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ds_comm
-from ds_comm import ConfigError, MpuProtocol, ProcessTopology
+from ds_comm import ConfigError, MpuProtocol, ParallelGrid, ParallelLayout, ProcessTopology
 from ds_moe._layer import MoE
 from ds_moe._params import is_moe_param
 from ds_moe.api import ExpertGroup
@@ -85,6 +85,10 @@ class ExpertParallelGroups:
         mpu: the model-parallel unit when tensor/pipeline parallelism is used (its data-parallel
             group and sizes set the layout); None for pure data parallelism.
         use_data_before_expert_parallel_: D + E instead of E + D layout.
+        grid: a ds-comm :class:`~ds_comm.ParallelGrid`: the sizes, the data-parallel group and
+            the rank arithmetic come from it, and ``add(grid's ep)`` reuses its ``ep``/``edp``
+            groups instead of creating its own (other ep sizes get new groups laid out the
+            same way). Exclusive with ``mpu`` and with the D + E layout.
 
     Example:
         >>> groups = ExpertParallelGroups()
@@ -94,8 +98,21 @@ class ExpertParallelGroups:
     """
 
     def __init__(
-        self, *, mpu: MpuProtocol | None = None, use_data_before_expert_parallel_: bool = False
+        self,
+        *,
+        mpu: MpuProtocol | None = None,
+        use_data_before_expert_parallel_: bool = False,
+        grid: ParallelGrid | None = None,
     ) -> None:
+        if grid is not None and (mpu is not None or use_data_before_expert_parallel_):
+            raise ConfigError(
+                "ExpertParallelGroups(grid=...) takes its sizes and layout from the grid: pass "
+                "neither mpu= nor use_data_before_expert_parallel_=True with it (the grid lays "
+                "experts out E + D, DeepSpeed's default)"
+            )
+        self.grid = grid
+        if grid is not None:
+            mpu = grid.mpu()
         self.distributed = ds_comm.is_initialized()
         self.rank = ds_comm.get_rank() if self.distributed else 0
         self.world_size = ds_comm.get_world_size() if self.distributed else 1
@@ -104,6 +121,8 @@ class ExpertParallelGroups:
         self.model_parallel_rank = 0 if mpu is None else mpu.get_model_parallel_rank()
         data_parallel = self.world_size if mpu is None else mpu.get_data_parallel_world_size()
         self.pipeline_parallel_size = self.world_size // (self.tensor_parallel_size * data_parallel)
+        if grid is not None:
+            self.pipeline_parallel_size = grid.axis_world_size("pp")
         self.data_parallel_size = data_parallel
         self.data_parallel_rank = self.rank if mpu is None else mpu.get_data_parallel_rank()
         if mpu is not None:
@@ -117,6 +136,10 @@ class ExpertParallelGroups:
         name = f"ep_size_{ep_size}"
         if name in self._groups:
             return self._groups[name]
+        if self.grid is not None:
+            group = self._add_from_grid(self.grid, name, ep_size)
+            self._groups[name] = group
+            return group
         topo = expert_topology(
             self.world_size,
             ep_size,
@@ -137,6 +160,33 @@ class ExpertParallelGroups:
         )
         self._groups[name] = group
         return group
+
+    def _add_from_grid(self, grid: ParallelGrid, name: str, ep_size: int) -> ExpertGroup:
+        if ep_size == grid.axis_world_size("ep"):
+            # The grid made these groups already (collectively); a group of one rank is None.
+            mine = []
+            for axis in ("ep", "edp"):
+                ranks = tuple(grid.ranks_of(axis))
+                mine.append((grid.get_group(axis) if len(ranks) > 1 else None, ranks))
+        else:
+            sizes = grid.layout.sizes
+            try:
+                layout = ParallelLayout(
+                    self.world_size, **sizes, ep=ep_size, order=grid.layout.order
+                )
+            except ValueError as exc:
+                raise ConfigError(f"MoE ep_size = {ep_size}: {exc}") from exc
+            mine = [self._new_groups(layout.rank_lists(a)) for a in ("ep", "edp")]
+        (ep_group, ep_ranks), (edp_group, edp_ranks) = mine
+        return ExpertGroup(
+            name=name,
+            ep_size=ep_size,
+            rank=self.rank,
+            expert_parallel_group=ep_group,
+            expert_parallel_ranks=ep_ranks,
+            expert_data_parallel_group=edp_group,
+            expert_data_parallel_ranks=edp_ranks,
+        )
 
     def _new_groups(self, rank_lists: list[list[int]]) -> tuple[Any, tuple[int, ...]]:
         mine: tuple[Any, tuple[int, ...]] = (None, (self.rank,))
