@@ -92,6 +92,39 @@ def _check_parity(make: type[nn.Module], x: torch.Tensor, policy: dict | None = 
     )
 
 
+def _example_gpt_parity() -> list[str]:
+    """tools/examples/gpt: its MLPs split (Sequential), its fused qkv and tied head stay whole."""
+    import importlib.util
+    from pathlib import Path
+
+    import deepspeed
+
+    path = Path(__file__).resolve().parents[3] / "tools" / "examples" / "gpt" / "train.py"
+    spec = importlib.util.spec_from_file_location("_example_gpt", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    reference = example.GPT(vocab=16, seq=6, dim=8, layers=2, heads=2).double()
+    model = example.GPT(vocab=16, seq=6, dim=8, layers=2, heads=2).double()
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, 16, (2, 7))
+    reference(tokens).backward()
+    deepspeed.tp_model_init(model, 2, torch.float64)
+    loss = model(tokens)
+    loss.backward()
+    torch.testing.assert_close(loss, reference(tokens), rtol=1e-12, atol=1e-12)
+    ref_params = dict(reference.named_parameters())
+    rank = torch.distributed.get_rank()
+    for name, param in model.named_parameters():
+        expected = ref_params[name].grad
+        assert expected is not None and param.grad is not None
+        if getattr(param, "tensor_model_parallel", False):
+            expected = expected.chunk(2, dim=param.partition_dim)[rank]  # type: ignore[attr-defined]
+        torch.testing.assert_close(param.grad, expected, rtol=1e-12, atol=1e-12, msg=name)
+    return sorted(n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", 0))
+
+
 def _autotp_body(rank: int, world_size: int) -> dict:
     import deepspeed
 
@@ -107,6 +140,13 @@ def _autotp_body(rank: int, world_size: int) -> dict:
         odd = _Block()
         odd.lm_head = nn.Linear(8, 5)
         deepspeed.tp_model_init(odd, 2, torch.float64, policy={"lm_head": "column"})
+    with pytest.raises(
+        NotImplementedError, match=r"'ffn.0' shares a parameter with 'lm_head'.*tied"
+    ):
+        tied = _Block()
+        tied.ffn[0].weight = tied.lm_head.weight = nn.Parameter(torch.randn(12, 8))
+        deepspeed.tp_model_init(tied, 2, torch.float64)
+    result["gpt"] = _example_gpt_parity()
     with pytest.raises(ValueError, match="not one of"):
         deepspeed.tp_model_init(_Custom(), 2, torch.float64, policy={"a": "rows"})
     return result
@@ -128,6 +168,11 @@ def test_tp2_matches_single_process_and_merges_back() -> None:
     ]
     assert results[0]["custom"] == ["a:Col", "b:Row"]
     assert results[0]["heads"] == 2
+    assert results[0]["gpt"] == [
+        f"blocks.{i}.mlp.{j}.{w}"
+        for i in (0, 1)
+        for j, w in ((0, "bias"), (0, "weight"), (2, "weight"))
+    ]
 
 
 def test_autotp_config_key_is_refused_and_points_at_tp_model_init() -> None:

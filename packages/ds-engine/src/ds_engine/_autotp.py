@@ -116,6 +116,22 @@ def _default_group(tp_size: int) -> Any:
     return mine
 
 
+def _check_untied(model: nn.Module, plan: Mapping[str, str]) -> None:
+    # A weight shared with another module (a tied lm_head) cannot be split for one of them.
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    for name in plan:
+        for param in model.get_submodule(name).parameters(recurse=False):
+            others = [o for o in owners[id(param)] if o != name]
+            if others:
+                raise NotImplementedError(
+                    f"tp_model_init: {name!r} shares a parameter with {others[0]!r} (tied "
+                    "weights); splitting tied weights is not implemented. Map it to 'skip'."
+                )
+
+
 def _check_divisible(name: str, linear: nn.Linear, choice: str, tp_size: int) -> None:
     features, what = (
         (linear.out_features, "out_features")
@@ -175,6 +191,7 @@ def tp_model_init(
     plan = _plan(model, policy)
     modules = dict(model.named_modules())
     linears = {name: cast(nn.Linear, modules[name]) for name in plan}
+    _check_untied(model, plan)
     for name, choice in plan.items():
         _check_divisible(name, linears[name], choice, tp_size)
     heads_done: set[str] = set()
