@@ -5,6 +5,7 @@
 #ifndef DS_NATIVE_H
 #define DS_NATIVE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* cpu_features.c: what the compiler targeted and what the running CPU supports. */
@@ -59,5 +60,19 @@ void ds_native_stream_adam_traffic(int64_t n, float *p, const float *g, float *m
  */
 void ds_native_stream_triad(int64_t n, float *a, const float *b, const float *c, float scalar,
                             int nontemporal, int num_threads);
+
+/* crc32.c: zlib's crc32(value, data, n): CRC-32 (polynomial 0x04C11DB7, reflected) of n bytes
+ * continuing from the CRC `value` (0 to start). simd picks the code path (AUTO: the widest this CPU
+ * runs; a path the CPU cannot run also falls back to AUTO). See [Note: CRC-32 folding] there.
+ */
+enum ds_native_crc32_simd {
+    DS_NATIVE_CRC32_AUTO = 0,
+    DS_NATIVE_CRC32_SCALAR = 1,
+    DS_NATIVE_CRC32_PCLMUL = 2,
+    DS_NATIVE_CRC32_VPCLMUL = 3
+};
+uint32_t ds_native_crc32(uint32_t value, const void *data, size_t n, int simd);
+int ds_native_crc32_auto_simd(void);
+int ds_native_crc32_simd_supported(int simd);
 
 #endif /* DS_NATIVE_H */

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ds_native._adam import adam_step, adam_step_reference
 from ds_native._axpy import axpy, axpy_reference
+from ds_native._crc32 import crc32, crc32_simd_supported
 from ds_native._ext import build_info, native_available, simd_level
 from ds_native._stream import (
     stream_adam_traffic,
@@ -16,7 +17,14 @@ from ds_native._stream import (
     stream_triad,
     stream_triad_reference,
 )
-from ds_native.api import AdamSimd, Backend, BuildInfo, NativeFallbackWarning, SimdLevel
+from ds_native.api import (
+    AdamSimd,
+    Backend,
+    BuildInfo,
+    Crc32Simd,
+    NativeFallbackWarning,
+    SimdLevel,
+)
 
 __version__ = "0.2.0"
 
@@ -30,6 +38,9 @@ __all__ = [
     "stream_triad_reference",
     "stream_adam_traffic",
     "stream_adam_traffic_reference",
+    # checksums (zlib's CRC-32, same values)
+    "crc32",
+    "crc32_simd_supported",
     # build and CPU introspection
     "native_available",
     "build_info",
@@ -38,6 +49,7 @@ __all__ = [
     "AdamSimd",
     "Backend",
     "BuildInfo",
+    "Crc32Simd",
     "NativeFallbackWarning",
     "SimdLevel",
     "__version__",

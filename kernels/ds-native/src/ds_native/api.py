@@ -14,6 +14,9 @@ SimdLevel = Literal["avx512", "avx2", "neon", "scalar"]
 AdamSimd = Literal["avx512", "avx2", "scalar"]
 """Code path of the CPU-Adam kernel: AVX-512 (F/BW/VL), AVX2 (+FMA, F16C), or portable C."""
 
+Crc32Simd = Literal["vpclmul", "pclmul", "scalar"]
+"""Code path of ``crc32``: AVX-512 VPCLMULQDQ, PCLMULQDQ (+SSE4.1), or table-driven C."""
+
 
 class BuildInfo(TypedDict):
     """What ``ds_native.build_info()`` reports about the C extension."""

@@ -1,0 +1,94 @@
+"""CRC-32 with zlib's values at memory speed (``csrc/crc32.c``, [Note: CRC-32 folding]).
+
+ds_zero checksums every checkpoint chunk with CRC-32; zlib's table-driven loop runs at ~2 GB/s,
+the carry-less-multiply kernel here at several times that, so verifying a checkpoint costs a
+small part of loading it.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import TYPE_CHECKING, get_args
+
+from ds_native import _ext
+from ds_native.api import Crc32Simd
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+SIMD_ENV = "DS_NATIVE_CRC32_SIMD"
+"""Environment variable that forces the code path of every ``crc32`` call (unless ``simd=``)."""
+
+_SIMD_CODES: dict[Crc32Simd, int] = {"scalar": 1, "pclmul": 2, "vpclmul": 3}
+_SIMD_NAMES: dict[int, Crc32Simd] = {code: name for name, code in _SIMD_CODES.items()}
+
+
+def crc32(data: Buffer, value: int = 0, *, simd: Crc32Simd | None = None) -> int:
+    """CRC-32 of ``data`` continuing from ``value``: exactly ``zlib.crc32(data, value)``.
+
+    Args:
+        data: Any C-contiguous buffer (bytes, bytearray, memoryview of an mmap or of a numpy
+            array); read in place, without a copy, with the GIL released.
+        value: The CRC of the bytes before ``data`` (0 to start); like zlib, only its low 32
+            bits count.
+        simd: Force the code path (``"vpclmul"``, ``"pclmul"`` or ``"scalar"``); None uses
+            ``$DS_NATIVE_CRC32_SIMD`` when set, else the widest the CPU supports.
+
+    Returns:
+        The unsigned 32-bit CRC. Without the C extension, ``zlib.crc32``'s.
+
+    Example:
+        >>> ds_native.crc32(b"hello") == zlib.crc32(b"hello")
+        True
+    """
+    lib = _ext.EXTENSION.lib
+    code = _simd_code(simd)
+    value &= 0xFFFFFFFF
+    if lib is None:
+        return zlib.crc32(data, value)
+    ffi = _ext.EXTENSION.ffi
+    try:
+        view = ffi.from_buffer(data)
+    except TypeError as exc:
+        raise TypeError(
+            f"crc32: data must support the buffer protocol, got {type(data).__name__}"
+        ) from exc
+    with view:  # drops the buffer export now, so the caller may close an mmap right after
+        return int(lib.ds_native_crc32(value, view, len(view), code))
+
+
+def default_crc32_simd() -> Crc32Simd | None:
+    """The code path :func:`crc32` runs by default here (None without the C extension)."""
+    lib = _ext.EXTENSION.lib
+    if lib is None:
+        return None
+    return _SIMD_NAMES[_simd_code(None) or lib.ds_native_crc32_auto_simd()]
+
+
+def crc32_simd_supported(simd: Crc32Simd) -> bool:
+    """Whether this CPU (and build) can run the ``simd`` code path of :func:`crc32`."""
+    lib = _ext.EXTENSION.lib
+    return lib is not None and bool(lib.ds_native_crc32_simd_supported(_SIMD_CODES[simd]))
+
+
+def _simd_code(simd: Crc32Simd | None) -> int:
+    """The C code for the requested path (0: let the kernel pick); raises if it cannot run."""
+    source = "simd"
+    if simd is None:
+        simd = os.environ.get(SIMD_ENV) or None  # type: ignore[assignment]
+        source = f"${SIMD_ENV}"
+        if simd is None:
+            return 0
+    if simd not in _SIMD_CODES:
+        choices = ", ".join(repr(s) for s in get_args(Crc32Simd))
+        raise ValueError(f"crc32: {source} must be one of {choices} or unset, got {simd!r}")
+    code = _SIMD_CODES[simd]
+    lib = _ext.EXTENSION.lib
+    if lib is not None and not lib.ds_native_crc32_simd_supported(code):
+        best = _SIMD_NAMES[lib.ds_native_crc32_auto_simd()]
+        raise ValueError(
+            f"crc32: {source}={simd!r} cannot run on this CPU (it supports up to {best!r}); "
+            f"pass a narrower path or leave {source} unset"
+        )
+    return code
