@@ -54,7 +54,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import zlib
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -62,6 +61,11 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
+
+try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's, ~3x faster), when built
+    from ds_native import crc32 as _crc32
+except ImportError:  # ds-native absent, or a release without crc32
+    from zlib import crc32 as _crc32
 
 __all__ = [
     "CHUNK",
@@ -115,11 +119,11 @@ def _crc_range(path: Path, start: int, length: int) -> int:
         size = start - base + length
         mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=base)
         with mapped, memoryview(mapped) as view, view[start - base :] as part:
-            return zlib.crc32(part)
+            return _crc32(part)
 
 
 def _crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:
-    """CRC-32 of each ``(path, start, length)``, on a few threads (zlib releases the GIL)."""
+    """CRC-32 of each ``(path, start, length)``, on a few threads (both CRC-32s release the GIL)."""
     if len(jobs) <= 1:
         return [_crc_range(*job) for job in jobs]
     with ThreadPoolExecutor(min(_threads(), len(jobs))) as pool:
@@ -143,7 +147,7 @@ class ChunkedCrcWriter:
         while len(view):
             room = CHUNK - self.bytes % CHUNK
             part, view = view[:room], view[room:]
-            self._crc = zlib.crc32(part, self._crc)
+            self._crc = _crc32(part, self._crc)
             self.bytes += len(part)
             if self.bytes % CHUNK == 0:
                 self.crcs.append(self._crc)
@@ -231,7 +235,7 @@ def _canonical(manifest: Mapping[str, Any]) -> bytes:
 
 def seal(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """``manifest`` with its own CRC-32 added (an edited manifest is then refused)."""
-    return {**manifest, _SEAL: zlib.crc32(_canonical(manifest))}
+    return {**manifest, _SEAL: _crc32(_canonical(manifest))}
 
 
 def check_seal(manifest: Mapping[str, Any], path: Path) -> None:
@@ -242,7 +246,7 @@ def check_seal(manifest: Mapping[str, Any], path: Path) -> None:
             f"{path} has no {_SEAL}: written by an older ds or by hand, so its entries cannot be "
             "trusted; save the checkpoint again with this version"
         )
-    if manifest[_SEAL] != zlib.crc32(_canonical(manifest)):
+    if manifest[_SEAL] != _crc32(_canonical(manifest)):
         raise CheckpointError(
             f"{path} was changed after it was written (its {_SEAL} does not match its "
             "contents): the checkpoint cannot be trusted"
