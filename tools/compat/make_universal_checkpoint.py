@@ -127,6 +127,8 @@ def _worker(rank: int, world: int, job: dict, port: int, queue) -> None:
 
 
 def _run(world: int, job: dict, port: int) -> dict:
+    import queue as queue_lib
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -139,11 +141,12 @@ def _run(world: int, job: dict, port: int) -> dict:
         try:
             result = queue.get(timeout=1)
             break
-        except Exception:
+        except queue_lib.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+                codes = [p.exitcode for p in procs]
+                raise RuntimeError(f"a rank failed: exit codes {codes}") from None
     if result is None:
         raise TimeoutError("no result from rank 0 in 600 s")
     for p in procs:
