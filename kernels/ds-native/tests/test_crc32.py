@@ -153,6 +153,37 @@ def test_forcing_a_path_the_cpu_lacks_raises(monkeypatch: pytest.MonkeyPatch) ->
         ds_native.crc32(b"x", simd="vpclmul")
 
 
+class _CpuWithoutClmul:
+    """The loaded extension on a CPU with neither carry-less-multiply path."""
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+        self.kernel_calls = 0
+
+    def ds_native_crc32_simd_supported(self, simd: int) -> int:
+        return int(simd == 1)
+
+    def ds_native_crc32_auto_simd(self) -> int:
+        return 1
+
+    def ds_native_crc32(self, *args: object) -> int:
+        self.kernel_calls += 1
+        return self._lib.ds_native_crc32(*args)  # type: ignore[attr-defined]
+
+
+@needs_native
+def test_without_clmul_zlib_runs_unless_scalar_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = _CpuWithoutClmul(_ext.EXTENSION.lib)
+    monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(ffi=_ext.EXTENSION.ffi, lib=lib))
+    data = bytes(range(256)) * 40
+    assert ds_native.crc32(data, 11) == zlib.crc32(data, 11)
+    assert lib.kernel_calls == 0
+    assert ds_native.crc32(data, 11, simd="scalar") == zlib.crc32(data, 11)
+    assert lib.kernel_calls == 1
+    with pytest.raises(ValueError, match="'pclmul' cannot run on this CPU"):
+        ds_native.crc32(data, simd="pclmul")
+
+
 def test_without_extension_falls_back_to_zlib(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(unavailable_reason="not built (test)"))
     assert ds_native.crc32(b"hello", 3) == zlib.crc32(b"hello", 3)

@@ -22,6 +22,7 @@ SIMD_ENV = "DS_NATIVE_CRC32_SIMD"
 
 _SIMD_CODES: dict[Crc32Simd, int] = {"scalar": 1, "pclmul": 2, "vpclmul": 3}
 _SIMD_NAMES: dict[int, Crc32Simd] = {code: name for name, code in _SIMD_CODES.items()}
+_SCALAR = _SIMD_CODES["scalar"]
 
 
 def crc32(data: Buffer, value: int = 0, *, simd: Crc32Simd | None = None) -> int:
@@ -36,7 +37,8 @@ def crc32(data: Buffer, value: int = 0, *, simd: Crc32Simd | None = None) -> int
             ``$DS_NATIVE_CRC32_SIMD`` when set, else the widest the CPU supports.
 
     Returns:
-        The unsigned 32-bit CRC. Without the C extension, ``zlib.crc32``'s.
+        The unsigned 32-bit CRC. Without the C extension, or on a CPU without PCLMULQDQ (unless
+        ``simd="scalar"`` is forced), computed by ``zlib.crc32``, whose loop is the faster there.
 
     Example:
         >>> ds_native.crc32(b"hello") == zlib.crc32(b"hello")
@@ -45,7 +47,8 @@ def crc32(data: Buffer, value: int = 0, *, simd: Crc32Simd | None = None) -> int
     lib = _ext.EXTENSION.lib
     code = _simd_code(simd)
     value &= 0xFFFFFFFF
-    if lib is None:
+    if lib is None or (code == 0 and lib.ds_native_crc32_auto_simd() == _SCALAR):
+        # zlib's own loop beats the slice-by-8 fallback; "scalar" runs only when forced.
         return zlib.crc32(data, value)
     ffi = _ext.EXTENSION.ffi
     try:
