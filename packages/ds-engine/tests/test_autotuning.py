@@ -264,3 +264,12 @@ def test_ds_autotune_predictions_within_10_percent_on_the_example_gpt(tmp_path):
     optimal = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
     assert "autotuning" not in optimal and results["best"] is not None
     assert (tmp_path / "results" / "cmd_optimal.txt").read_text().strip()
+
+
+def test_ds_launch_autotuning_hands_the_command_line_to_ds_autotune(capfd):
+    # ds-autotune runs in its own process (ds-launch imports no torch) and names what is missing
+    from ds_launch.cli import main
+
+    assert main(["--autotuning", "tune", "--num_gpus", "2", "t.py", "--lr", "1"]) == 2
+    err = capfd.readouterr().err
+    assert "ds-autotune: error: the user script's arguments name no DeepSpeed config" in err
