@@ -97,7 +97,7 @@ def _example_gpt_parity() -> list[str]:
     import importlib.util
     from pathlib import Path
 
-    import deepspeed
+    import ds_engine as deepspeed
 
     path = Path(__file__).resolve().parents[3] / "tools" / "examples" / "gpt" / "train.py"
     spec = importlib.util.spec_from_file_location("_example_gpt", path)
@@ -126,7 +126,7 @@ def _example_gpt_parity() -> list[str]:
 
 
 def _autotp_body(rank: int, world_size: int) -> dict:
-    import deepspeed
+    import ds_engine as deepspeed
 
     torch.manual_seed(1)
     result = {"block": _check_parity(_Block, torch.randn(2, 5, 8, dtype=torch.float64))}
@@ -183,7 +183,7 @@ def test_autotp_config_key_is_refused_and_points_at_tp_model_init() -> None:
 
 
 def test_tp_size_one_only_casts() -> None:
-    import deepspeed
+    import ds_engine as deepspeed
 
     model = deepspeed.tp_model_init(_Custom(), 1, torch.float64)
     assert all(p.dtype == torch.float64 for p in model.parameters())

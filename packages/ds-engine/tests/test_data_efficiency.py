@@ -67,7 +67,7 @@ def _theta(step: int, theta: float, gamma: float) -> float:
     ids=["fixed_linear", "fixed_root", "fixed_discrete"],
 )
 def test_schedules_follow_deepspeeds_formulas(schedule, expected) -> None:
-    from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
+    from ds_engine.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
 
     scheduler = CurriculumScheduler(schedule)
     assert {step: scheduler.get_difficulty(step) for step in expected} == expected
@@ -114,7 +114,7 @@ def test_custom_schedule_needs_its_function() -> None:
 
 
 def test_progressive_layer_drop_theta() -> None:
-    from deepspeed.runtime.progressive_layer_drop import ProgressiveLayerDrop
+    from ds_engine.runtime.progressive_layer_drop import ProgressiveLayerDrop
 
     pld = ProgressiveLayerDrop(theta=0.5, gamma=0.01)
     assert pld.get_state() == {"progressive_layer_drop": True, "pld_theta": 1.0}
@@ -285,8 +285,9 @@ def _legacy_config(gas: int) -> dict:
 
 
 def _legacy_body(rank: int, world_size: int, *, save_dir: str) -> dict:
-    import deepspeed
     import torch
+
+    import ds_engine as deepspeed
 
     gas = 2
     engine, *_ = deepspeed.initialize(model=_tiny_gpt(), config=_legacy_config(gas))
@@ -385,9 +386,8 @@ def _truncate(data, state):
 
 
 def _sampling_body(rank: int, world_size: int, *, save_dir: str, custom: bool) -> dict:
-    import deepspeed
-
     import ds_comm
+    import ds_engine as deepspeed
 
     schedule = (
         {"min_difficulty": 4, "max_difficulty": SEQ, "schedule_type": "custom"}
@@ -457,7 +457,7 @@ def test_curriculum_functions_without_the_curriculum_are_refused() -> None:
 
 
 def _refusal_body(rank: int, world_size: int) -> None:
-    import deepspeed
+    import ds_engine as deepspeed
 
     engine, *_ = deepspeed.initialize(model=_tiny_gpt(), config=config())
     assert engine.get_pld_theta() is None and engine.curriculum_scheduler_legacy is None
