@@ -10,13 +10,13 @@ threads; see [Note: CPU-Adam code paths] in ``csrc/adam.c``.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, get_args
 
 import torch
 
 from ds_native import _ext
 from ds_native._dispatch import choose_backend, native_mismatch
+from ds_native._simd import requested_simd_code
 from ds_native.api import AdamSimd, Backend
 
 SIMD_ENV = "DS_NATIVE_ADAM_SIMD"
@@ -151,24 +151,16 @@ def default_simd() -> AdamSimd | None:
 
 def _simd_code(simd: AdamSimd | None) -> int:
     """The C code for the requested path (0: let the kernel pick); raises if it cannot run."""
-    source = "simd"
-    if simd is None:
-        simd = os.environ.get(SIMD_ENV) or None  # type: ignore[assignment]
-        source = f"${SIMD_ENV}"
-        if simd is None:
-            return 0
-    if simd not in _SIMD_CODES:
-        choices = ", ".join(repr(s) for s in get_args(AdamSimd))
-        raise ValueError(f"adam_step: {source} must be one of {choices} or unset, got {simd!r}")
-    code = _SIMD_CODES[simd]
     lib = _ext.EXTENSION.lib
-    if lib is not None and not lib.ds_native_adam_simd_supported(code):
-        best = _SIMD_NAMES[lib.ds_native_adam_auto_simd()]
-        raise ValueError(
-            f"adam_step: {source}={simd!r} cannot run on this CPU (it supports up to {best!r}); "
-            f"pass a narrower path or leave {source} unset"
-        )
-    return code
+    return requested_simd_code(
+        "adam_step",
+        simd,
+        SIMD_ENV,
+        _SIMD_CODES,
+        get_args(AdamSimd),
+        None if lib is None else lib.ds_native_adam_simd_supported,
+        None if lib is None else lib.ds_native_adam_auto_simd,
+    )
 
 
 def _state_rules_out_native(

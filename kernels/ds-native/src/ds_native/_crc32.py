@@ -7,11 +7,11 @@ small part of loading it.
 
 from __future__ import annotations
 
-import os
 import zlib
 from typing import TYPE_CHECKING, get_args
 
 from ds_native import _ext
+from ds_native._simd import requested_simd_code
 from ds_native.api import Crc32Simd
 
 if TYPE_CHECKING:
@@ -78,21 +78,13 @@ def crc32_simd_supported(simd: Crc32Simd) -> bool:
 
 def _simd_code(simd: Crc32Simd | None) -> int:
     """The C code for the requested path (0: let the kernel pick); raises if it cannot run."""
-    source = "simd"
-    if simd is None:
-        simd = os.environ.get(SIMD_ENV) or None  # type: ignore[assignment]
-        source = f"${SIMD_ENV}"
-        if simd is None:
-            return 0
-    if simd not in _SIMD_CODES:
-        choices = ", ".join(repr(s) for s in get_args(Crc32Simd))
-        raise ValueError(f"crc32: {source} must be one of {choices} or unset, got {simd!r}")
-    code = _SIMD_CODES[simd]
     lib = _ext.EXTENSION.lib
-    if lib is not None and not lib.ds_native_crc32_simd_supported(code):
-        best = _SIMD_NAMES[lib.ds_native_crc32_auto_simd()]
-        raise ValueError(
-            f"crc32: {source}={simd!r} cannot run on this CPU (it supports up to {best!r}); "
-            f"pass a narrower path or leave {source} unset"
-        )
-    return code
+    return requested_simd_code(
+        "crc32",
+        simd,
+        SIMD_ENV,
+        _SIMD_CODES,
+        get_args(Crc32Simd),
+        None if lib is None else lib.ds_native_crc32_simd_supported,
+        None if lib is None else lib.ds_native_crc32_auto_simd,
+    )
