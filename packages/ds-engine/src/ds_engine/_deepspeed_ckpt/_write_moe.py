@@ -36,6 +36,7 @@ from ds_engine._deepspeed_ckpt._write_stage0 import stage0_optimizer
 from ds_engine._deepspeed_ckpt._write_state import (
     GroupState,
     WriteState,
+    group_step,
     loss_scaler_state,
     module_weights,
     zero_optimizer_of,
@@ -132,11 +133,7 @@ def _group_templates(optimizer: Any, experts: _Experts) -> list[tuple[list[str],
     for group, names in zip(inner.param_groups, members):
         if not names:
             continue
-        step = None
-        for p in group["params"]:
-            if "step" in inner.state.get(p, {}):
-                step = torch.as_tensor(inner.state[p]["step"], dtype=torch.float32).clone()
-                break
+        step = group_step(inner, group)
         split = [experts.split(n) for n in names]
         is_expert = all(s is not None for s in split)
         if is_expert:

@@ -40,6 +40,7 @@ __all__ = [
     "dp_group",
     "dp_rank",
     "gather_state",
+    "group_step",
     "loss_scaler_state",
     "module_weights",
     "param_groups",
@@ -177,11 +178,7 @@ def param_groups(
     for group, names in zip(inner.param_groups, members):
         if not names:
             continue
-        step = None
-        for p in group["params"]:
-            if "step" in inner.state.get(p, {}):
-                step = torch.as_tensor(inner.state[p]["step"], dtype=torch.float32).clone().cpu()
-                break
+        step = group_step(inner, group)
         hyper = {k: v for k, v in group.items() if k != "params"}
         out.append(GroupState(sorted(names, key=order.__getitem__), hyper, step))
     return out
@@ -244,3 +241,12 @@ def gather_state(engine: Any, module: torch.nn.Module) -> WriteState | None:
         clip=float(engine._config.gradient_clipping),
         module=weights,
     )
+
+
+def group_step(inner: torch.optim.Optimizer, group: dict[str, Any]) -> torch.Tensor | None:
+    """The ``step`` count of a param group (its first member that has one), as DeepSpeed saves
+    it: a float32 CPU tensor; None before the first step."""
+    for p in group["params"]:
+        if "step" in inner.state.get(p, {}):
+            return torch.as_tensor(inner.state[p]["step"], dtype=torch.float32).clone().cpu()
+    return None
