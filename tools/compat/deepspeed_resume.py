@@ -84,18 +84,7 @@ def _train(engine, model: str, first: int, steps: int, rank: int, world: int, dt
 
 
 def _worker(rank: int, world: int, args: dict, port: int, queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    maker.init_deepspeed_rank(rank, world, port)
     try:
         engine = build(args["model"], args["stage"], args["dtype"], world)
         path, client = engine.load_checkpoint(args["load"], tag=None)

@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -287,7 +288,8 @@ def run_moe_case(out: Path, rank: int, world: int, stage: int = 0) -> dict:
     }
 
 
-def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue) -> None:
+def init_deepspeed_rank(rank: int, world: int, port: int) -> types.ModuleType:
+    """Make this process rank ``rank`` of ``world`` local gloo ranks; DeepSpeed, initialised."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -300,6 +302,11 @@ def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue) -> None:
+    init_deepspeed_rank(rank, world, port)
     root = Path(out)
     cases = [("zero", s, d) for s in STAGES for d in DTYPES] + [("pipe", 1, "")]
     cases += [("moe", s, "") for s in MOE_STAGES]
@@ -330,18 +337,7 @@ def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue)
 
 def _resume_worker(rank: int, world: int, args: dict, port: int, queue) -> None:
     """Resume ``args["load"]`` in DeepSpeed and train ``args["steps"]`` steps."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = init_deepspeed_rank(rank, world, port)
     cfg = config(args["stage"], args["dtype"], world)
     torch.manual_seed(99)
     model = Net()
