@@ -44,7 +44,7 @@ class TinyMoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos
-        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+        mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device=tokens.device).triu(1)
         attended, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
         x = x + attended
         mixed, l_aux, _ = self.moe(self.norm(x))
