@@ -56,10 +56,80 @@ class _Custom(nn.Module):
         return self.c(self.b(torch.tanh(self.a(x))))
 
 
+class Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D`` as it is: the weight stored ``[in, out]``, ``nf``/``nx``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+class _GPT2Attention(nn.Module):
+    """GPT-2's attention: a fused q|k|v ``c_attn`` split by ``split_size``; views with ``-1``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.split_size = heads, dim // heads, dim
+        self.c_attn, self.c_proj = Conv1D(3 * dim, dim), Conv1D(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.split_size, dim=2)
+        q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(att.transpose(1, 2).reshape(b, t, -1))
+
+
+class _GPT2MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * dim, dim), Conv1D(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class _GPT2Block(nn.Module):
+    """GPT-2's block: ``c_attn`` fused column, ``c_proj`` row, ``c_fc`` column (all Conv1D)."""
+
+    def __init__(self, dim: int = 8, heads: int = 4) -> None:
+        super().__init__()
+        self.attn, self.mlp = _GPT2Attention(dim, heads), _GPT2MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class _GateUp(nn.Module):
+    """A Phi-3-style MLP: one fused ``gate_up_proj`` chunked in two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Linear(6, 16, bias=False), nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 def _grads_and_output(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     out = model(x)
     (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).pow(2).sum().backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _shard(full: torch.Tensor, param: torch.Tensor, rank: int) -> torch.Tensor:
+    """The reference slice of a sharded parameter: every fused part's chunk, concatenated."""
+    dim, sections = param.partition_dim, param.fused_sections  # type: ignore[attr-defined]
+    parts = full.split(list(sections), dim=dim) if sections else [full]
+    return torch.cat([p.chunk(2, dim=dim)[rank] for p in parts], dim=dim)
 
 
 def _check_parity(make: type[nn.Module], x: torch.Tensor, policy: dict | None = None) -> list[str]:
@@ -79,7 +149,7 @@ def _check_parity(make: type[nn.Module], x: torch.Tensor, policy: dict | None = 
     for name, param in model.named_parameters():
         expected = ref_grads[name]
         if getattr(param, "tensor_model_parallel", False):
-            expected = expected.chunk(2, dim=param.partition_dim)[rank]  # type: ignore[attr-defined]
+            expected = _shard(expected, param, rank)
         assert grads[name].shape == expected.shape, name
         torch.testing.assert_close(grads[name], expected, rtol=1e-12, atol=1e-12, msg=name)
     merged = deepspeed.gather_tp_state_dict(model)
@@ -130,6 +200,8 @@ def _autotp_body(rank: int, world_size: int) -> dict:
 
     torch.manual_seed(1)
     result = {"block": _check_parity(_Block, torch.randn(2, 5, 8, dtype=torch.float64))}
+    result["gpt2"] = _check_parity(_GPT2Block, torch.randn(2, 5, 8, dtype=torch.float64))
+    result["gate_up"] = _check_parity(_GateUp, torch.randn(3, 6, dtype=torch.float64))
     result["custom"] = _check_parity(
         _Custom, torch.randn(3, 4, dtype=torch.float64), {"a": "column", "b": "row"}
     )
@@ -167,19 +239,19 @@ def test_tp2_matches_single_process_and_merges_back() -> None:
         "up_proj:Col",
     ]
     assert results[0]["custom"] == ["a:Col", "b:Row"]
+    assert results[0]["gpt2"] == [
+        "attn.c_attn:Col",
+        "attn.c_proj:Row",
+        "mlp.c_fc:Col",
+        "mlp.c_proj:Row",
+    ]
+    assert results[0]["gate_up"] == ["down_proj:Row", "gate_up_proj:Col"]
     assert results[0]["heads"] == 2
     assert results[0]["gpt"] == [
         f"blocks.{i}.mlp.{j}.{w}"
         for i in (0, 1)
         for j, w in ((0, "bias"), (0, "weight"), (2, "weight"))
     ]
-
-
-def test_autotp_config_key_is_refused_and_points_at_tp_model_init() -> None:
-    from ds_engine import ConfigError, DeepSpeedConfig
-
-    with pytest.raises(ConfigError, match=r"autotp_size.*not implemented.*tp_model_init"):
-        DeepSpeedConfig.from_dict({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}})
 
 
 def test_tp_size_one_only_casts() -> None:
@@ -190,16 +262,11 @@ def test_tp_size_one_only_casts() -> None:
     assert isinstance(model.a, nn.Linear)
 
 
-def test_gpt2_conv1d_is_refused_unless_skipped() -> None:
+def test_gpt2_conv1d_is_planned_by_name() -> None:
     from ds_engine._autotp import _plan
 
-    class Conv1D(nn.Module):  # the name transformers' GPT-2 layers carry
-        pass
-
     model = nn.Module()
-    model.c_attn, model.q_proj = Conv1D(), nn.Linear(4, 4)
-    with pytest.raises(NotImplementedError, match=r"'c_attn'.*Conv1D.*'skip'"):
-        _plan(model, None)
-    with pytest.raises(NotImplementedError, match=r"'c_attn'.*Conv1D"):
-        _plan(model, {"c_attn": "column"})
-    assert _plan(model, {"c_attn": "skip"}) == {"q_proj": "column"}
+    model.c_attn, model.c_proj, model.q_proj = Conv1D(12, 4), Conv1D(4, 4), nn.Linear(4, 4)
+    model.other = Conv1D(4, 4)  # an unknown name stays whole
+    assert _plan(model, None) == {"c_attn": "qkv", "c_proj": "row", "q_proj": "column"}
+    assert _plan(model, {"c_attn": "skip"}) == {"c_proj": "row", "q_proj": "column"}

@@ -102,7 +102,7 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
     ("key", "value", "feature"),
     [
         ("sequence_parallel_size", 2, "sequence parallelism"),
-        ("tensor_parallel", {"autotp_size": 2}, "tensor parallelism"),
+        ("tensor_parallel", {"autotp_size": 2, "tp_overlap_comm": True}, "AutoTP settings"),
         ("elasticity", {"enabled": True}, "elastic training"),
         (
             "compression_training",

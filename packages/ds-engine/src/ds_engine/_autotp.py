@@ -1,26 +1,34 @@
 """``deepspeed.tp_model_init``: shard an unmodified ``nn.Module``'s linears over a tensor-parallel
 group, and ``gather_tp_state_dict``, the inverse for saving merged weights.
 
-The policy picks each ``nn.Linear``'s split by its name (Llama/Mistral/GPT-style projection
-names) or by shape (a two-linear ``nn.Sequential`` MLP); a user mapping overrides it. Linears the
-policy does not recognise stay whole (replicated), which is always correct, only not sharded.
+The policy picks each ``nn.Linear``'s (and transformers ``Conv1D``'s) split by its name
+(Llama/Mistral/GPT-2-style projection names) or by shape (a two-linear ``nn.Sequential`` MLP); a
+user mapping overrides it. A fused projection (GPT-2's ``c_attn`` q|k|v, ``gate_up_proj``) is
+split part by part, so every rank holds whole heads of q, k and v. Linears the policy does not
+recognise stay whole (replicated), which is always correct, only not sharded.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 import ds_comm
-from ds_engine._autotp_layers import ColumnParallelLinear, RowParallelLinear
+from ds_engine._autotp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    is_conv1d,
+    is_tensor_parallel_layer,
+    merge_shards,
+)
 
 __all__ = ["gather_tp_state_dict", "tp_model_init"]
 
-# Last name component -> split, for Llama/Mistral/Qwen/OPT/BERT-style blocks.
+# Last name component -> split, for Llama/Mistral/Qwen/OPT/BERT/GPT-2-style blocks.
 _COLUMN_NAMES = frozenset(
     {
         "q_proj",
@@ -34,12 +42,24 @@ _COLUMN_NAMES = frozenset(
         "value",
         "w1",
         "w3",
+        "c_fc",
     }
 )
-_ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "w2"})
-# Integer head-count attributes divided by tp_size on the parent of a column-split projection.
-HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads")
-_CHOICES = ("column", "row", "skip")
+_ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "w2", "c_proj"})
+# Fused projections: parts split one by one (GPT-2 c_attn = q|k|v; gate_up_proj = gate|up).
+_FUSED_NAMES = {"c_attn": "qkv", "gate_up_proj": "gate_up"}
+_PARTS = {"qkv": 3, "gate_up": 2}
+# Integer head-count attributes divided by tp_size on the parent of a column-split projection
+# (split_size: GPT-2's per-part width of the fused c_attn output).
+HEAD_ATTRIBUTES = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_head",
+    "n_heads",
+    "split_size",
+)
+_CHOICES = ("column", "row", "skip", "qkv", "gate_up")
 
 
 def _override(name: str, mapping: Mapping[str, str]) -> str | None:
@@ -68,35 +88,43 @@ def _sequential_mlp(model: nn.Module) -> dict[str, str]:
 
 
 def _plan(model: nn.Module, policy: Mapping[str, str] | None) -> dict[str, str]:
-    """Module name -> "column" | "row" for every linear to split."""
+    """Module name -> "column" | "row" | "qkv" | "gate_up" for every linear to split."""
     mlp = _sequential_mlp(model)
     plan: dict[str, str] = {}
     for name, module in model.named_modules():
-        if type(module).__name__ == "Conv1D":  # transformers' GPT-2 fused c_attn/c_proj/c_fc
-            choice = _override(name, policy or {})
-            if choice in ("column", "row"):
-                raise NotImplementedError(
-                    f"tp_model_init: {name!r} is a transformers Conv1D (GPT-2); splitting Conv1D "
-                    "is not implemented. Map it to 'skip' or convert the model to nn.Linear."
-                )
-            if choice is None:
-                raise NotImplementedError(
-                    f"tp_model_init: {name!r} is a transformers Conv1D (GPT-2 c_attn/c_proj/c_fc); "
-                    "sharding GPT-2's fused Conv1D layers is not implemented. Pass "
-                    "policy={'c_attn': 'skip', 'c_proj': 'skip', 'c_fc': 'skip'} to keep them whole."
-                )
-            continue
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) and not is_conv1d(module):
             continue
         leaf = name.rsplit(".", 1)[-1]
         choice = _override(name, policy or {})
         if choice is None:
             choice = mlp.get(name)
+        if choice is None and leaf in _FUSED_NAMES:
+            choice = _FUSED_NAMES[leaf]
         if choice is None:
             choice = "column" if leaf in _COLUMN_NAMES else "row" if leaf in _ROW_NAMES else "skip"
         if choice != "skip":
             plan[name] = choice
     return plan
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an ``nn.Linear`` or a ``Conv1D``."""
+    if is_conv1d(module):
+        return int(module.nx), int(module.nf)  # type: ignore[arg-type]
+    assert isinstance(module, nn.Linear)
+    return module.in_features, module.out_features
+
+
+def _sections(name: str, module: nn.Module, choice: str) -> tuple[int, ...] | None:
+    if choice not in _PARTS:
+        return None
+    parts = _PARTS[choice]
+    out = _features(module)[1]
+    if out % parts:
+        raise ValueError(
+            f"tp_model_init: {name!r} ({choice}) has out_features={out}, not {parts} equal parts"
+        )
+    return (out // parts,) * parts
 
 
 def _default_group(tp_size: int) -> Any:
@@ -132,17 +160,23 @@ def _check_untied(model: nn.Module, plan: Mapping[str, str]) -> None:
                 )
 
 
-def _check_divisible(name: str, linear: nn.Linear, choice: str, tp_size: int) -> None:
-    features, what = (
-        (linear.out_features, "out_features")
-        if choice == "column"
-        else (linear.in_features, "in_features")
-    )
-    if features % tp_size:
-        raise ValueError(
-            f"tp_model_init: {name!r} ({choice}-parallel) has {what}={features}, "
-            f"not divisible by tp_size={tp_size}; map it to 'skip' or choose a tp_size dividing it"
-        )
+def _check_divisible(
+    name: str, module: nn.Module, choice: str, tp_size: int, sections: tuple[int, ...] | None
+) -> None:
+    features_in, features_out = _features(module)
+    if sections is not None:
+        sizes, what = sections, "each fused part of out_features"
+    elif choice == "row":
+        sizes, what = (features_in,), "in_features"
+    else:
+        sizes, what = (features_out,), "out_features"
+    for size in sizes:
+        if size % tp_size:
+            raise ValueError(
+                f"tp_model_init: {name!r} ({choice}-parallel) has {what}={size}, "
+                f"not divisible by tp_size={tp_size}; map it to 'skip' or choose a tp_size "
+                "dividing it"
+            )
 
 
 def _divide_heads(module: nn.Module, name: str, tp_size: int) -> None:
@@ -171,8 +205,10 @@ def tp_model_init(
         tp_size: ranks in the tensor-parallel group.
         dtype: the model is cast to it first.
         tp_group: the group; None: consecutive blocks of ``tp_size`` ranks of the world.
-        policy: ``{name_pattern: "column" | "row" | "skip"}`` overriding the detected split;
-            a pattern is an ``fnmatch`` glob matched against the full module name or its tail.
+        policy: ``{name_pattern: "column" | "row" | "skip" | "qkv" | "gate_up"}`` overriding
+            the detected split (``qkv``/``gate_up``: a fused projection of 3/2 equal parts, each
+            split by itself); a pattern is an ``fnmatch`` glob matched against the full module
+            name or its tail.
 
     Differs from DeepSpeed 0.19, whose ``tp_model_init`` only records its arguments for
     ``initialize()``: here the sharding happens now (see docs/tensor_parallel.md).
@@ -190,17 +226,17 @@ def tp_model_init(
     tp_rank = ds_comm.get_rank(group)
     plan = _plan(model, policy)
     modules = dict(model.named_modules())
-    linears = {name: cast(nn.Linear, modules[name]) for name in plan}
+    sections = {name: _sections(name, modules[name], choice) for name, choice in plan.items()}
     _check_untied(model, plan)
     for name, choice in plan.items():
-        _check_divisible(name, linears[name], choice, tp_size)
+        _check_divisible(name, modules[name], choice, tp_size, sections[name])
     heads_done: set[str] = set()
     for name, choice in plan.items():
         parent_name, _, leaf = name.rpartition(".")
         parent = modules[parent_name]
-        layer = ColumnParallelLinear if choice == "column" else RowParallelLinear
-        setattr(parent, leaf, layer(linears[name], group, tp_rank, tp_size))
-        if choice == "column" and parent_name not in heads_done:
+        layer = RowParallelLinear if choice == "row" else ColumnParallelLinear
+        setattr(parent, leaf, layer(modules[name], group, tp_rank, tp_size, sections[name]))
+        if choice != "row" and parent_name not in heads_done:
             heads_done.add(parent_name)
             _divide_heads(parent, parent_name, tp_size)
     return model
@@ -214,7 +250,7 @@ def gather_tp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not is_tensor_parallel_layer(module):
             continue
         prefix = f"{name}." if name else ""
         for pname, param in module.named_parameters(recurse=False):
@@ -224,5 +260,6 @@ def gather_tp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             local = param.detach().contiguous()
             parts = [torch.empty_like(local) for _ in range(module.tp_size)]
             ds_comm.all_gather(parts, local, group=module.group)
-            state[prefix + pname] = torch.cat(parts, dim=dim)
+            sections = getattr(param, "fused_sections", None)
+            state[prefix + pname] = merge_shards(parts, dim, sections)
     return state

@@ -45,6 +45,8 @@ import torch
 
 import ds_comm
 from ds_engine import __version__
+from ds_engine._autotp import gather_tp_state_dict
+from ds_engine._autotp_engine import is_autotp_model
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_checkpoint
 from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import (
@@ -344,7 +346,11 @@ def save_16bit_model(
             "weights (or consolidate a checkpoint with ds-zero-to-fp32)"
         )
         return False
-    state = _gathered_state(engine.module, rank)
+    if is_autotp_model(engine.module):  # merged over the tensor-parallel group (collective)
+        merged = gather_tp_state_dict(engine.module)
+        state = {k: v.cpu() for k, v in merged.items()} if rank == 0 else {}
+    else:
+        state = _gathered_state(engine.module, rank)
     if exclude_frozen:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}

@@ -79,6 +79,8 @@ class NotImplementedFeature:
         note: extra advice for the error message (e.g. what to use instead).
         implemented_by: the ds module that implements the section with DeepSpeed's layout:
             values that ask for the feature are accepted (sub-keys still checked).
+        implemented_keys: sub-keys ds implements (any value asks for nothing here; the module
+            named in the note reads them), the section's other keys still refused.
     """
 
     feature: str
@@ -89,6 +91,7 @@ class NotImplementedFeature:
     switch: str = "enabled"
     note: str = ""
     implemented_by: str = ""
+    implemented_keys: tuple[str, ...] = ()
 
     def requested(self, key: str, value: Any) -> bool:
         """Whether ``value`` of top-level ``key`` asks for the feature (see [Note: refused
@@ -108,7 +111,9 @@ class NotImplementedFeature:
             enabled = value.get(self.switch, self.default[self.switch])
             return bool(enabled) and not is_auto(enabled)
         return any(
-            not _same(v, self.default[k]) and not any(_same(v, i) for i in self.inert.get(k, ()))
+            not _same(v, self.default[k])
+            and k not in self.implemented_keys
+            and not any(_same(v, i) for i in self.inert.get(k, ()))
             for k, v in value.items()
         )
 
@@ -241,7 +246,7 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
         note='Use "bf16" or "fp16" instead.',
     ),
     "tensor_parallel": NotImplementedFeature(
-        "automatic tensor parallelism (AutoTP)",
+        "AutoTP settings beyond autotp_size and dtype",
         {
             "autotp_size": 0,
             "tp_overlap_comm": False,
@@ -255,9 +260,9 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
             "replace_with_kernel_inject": False,
             "dtype": "torch.float16",
         },
-        inert={"autotp_size": (1,)},
-        note="To shard a model by hand, call deepspeed.tp_model_init(model, tp_size, dtype) "
-        "(docs/tensor_parallel.md).",
+        # autotp_size and dtype: ds_engine._autotp_engine (docs/tensor_parallel.md).
+        implemented_keys=("autotp_size", "dtype"),
+        note="autotp_size (AutoTP training) is implemented; see docs/tensor_parallel.md.",
     ),
     "expert_parallel": NotImplementedFeature(
         "automatic expert parallelism (AutoEP)",

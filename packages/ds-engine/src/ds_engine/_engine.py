@@ -24,6 +24,7 @@ from torch import nn
 import ds_comm
 from ds_engine._absent import ABSENT, absent_error
 from ds_engine._accessors import install_config_accessors
+from ds_engine._autotp_engine import apply_autotp
 from ds_engine._build import (
     build_client_optimizer,
     build_gradient_step,
@@ -107,7 +108,7 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
         self.module = model
         self._config = config
         self.config = dict(config_dict) if config_dict is not None else config_as_dict(config)
-        self.mpu = mpu
+        self.mpu = apply_autotp(model, config, mpu)  # tensor_parallel.autotp_size: shard now
         self._place(model, device_rank)
         if config.comms_logger.enabled:
             ds_comm.configure(config.comms_logger)

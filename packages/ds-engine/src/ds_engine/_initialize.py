@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 import ds_comm
+from ds_engine._autotp_engine import autotp_mpu
 from ds_engine._engine import DeepSpeedEngine
 from ds_engine.api import ConfigError, DeepSpeedConfig, load_config_dict
 
@@ -113,6 +114,7 @@ def initialize(
     raw = load_config_dict(_config_source(args, config, config_params))
     device_rank = getattr(args, "device_rank", None) if args is not None else None
     if _is_pipeline_module(model):
+        autotp_mpu(raw, None, pipeline=True)  # AutoTP in pipeline stages: refused
         return _initialize_pipeline(
             model,
             raw,
@@ -125,6 +127,7 @@ def initialize(
         )
     if dist_init_required or (dist_init_required is None and not ds_comm.is_initialized()):
         ds_comm.init_distributed(distributed_port=distributed_port, verbose=False)
+    mpu = autotp_mpu(raw, mpu)  # tensor_parallel.autotp_size: a ParallelGrid's (dp = world / tp)
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world_size = ds_comm.get_world_size(dp_group) if ds_comm.is_initialized() else 1
     parsed = DeepSpeedConfig.from_dict(raw, dp_world_size=dp_world_size)
