@@ -12,14 +12,6 @@ from ds_zero.api import ZeroConfig
 
 __all__ = ["build_zero_optimizer"]
 
-# Keyword arguments of ZeroOptimizer that Stage3Optimizer does not take, and why.
-_NOT_IN_STAGE_3 = {
-    "param_group_process_groups": (
-        "param groups on their own process groups (MoE experts): stage 3 partitions every "
-        "parameter over the one data-parallel group (DeepSpeed refuses its MoE at stage 3 too)"
-    ),
-}
-
 
 def build_zero_optimizer(
     model: torch.nn.Module,
@@ -45,14 +37,6 @@ def build_zero_optimizer(
     """
     config = config if config is not None else ZeroConfig()
     if config.shard_parameters:  # stage 3: per-parameter shards, partitioned residency
-        refused = [k for k, v in kwargs.items() if k in _NOT_IN_STAGE_3 and not _unset(v)]
-        if refused:
-            reasons = "; ".join(f"{k}: {_NOT_IN_STAGE_3[k]}" for k in refused)
-            raise ValueError(
-                f"zero_optimization.stage = 3 does not support {reasons}; drop those arguments "
-                "or use stage 1 or 2"
-            )
-        kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_IN_STAGE_3}
         return Stage3Optimizer(model, optimizer, config, **kwargs)
     if kwargs.get("partitioner") is not None:
         raise ValueError(
@@ -60,13 +44,7 @@ def build_zero_optimizer(
             f"{config.stage} keeps parameters whole: drop it or set stage to 3"
         )
     kwargs.pop("partitioner", None)
+    # Stages 0-2 save param groups with their own process groups in the per-rank format (see
+    # _checkpoint.py's [Note: resharding a checkpoint]), which does not name tensors.
+    kwargs.pop("checkpoint_names", None)
     return ZeroOptimizer(model, optimizer, config, **kwargs)
-
-
-def _unset(value: Any) -> bool:
-    """None, empty, or a list of Nones (``param_group_process_groups`` without experts)."""
-    if value is None:
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(v is None for v in value)
-    return False

@@ -38,6 +38,17 @@ The writes go through the buffer, a tensor of its own, so the parameter's versio
 its saved views share) does not move. Any other release (``GatheredParameters``, exports, the
 ``partition`` attribute) only drops the buffer, and the next gather allocates a fresh one, so a
 whole value handed out earlier stays valid for as long as its holder keeps it.
+
+[Note: parameters on their own group]
+Some parameters are sharded over a subgroup of the data-parallel group: MoE experts over their
+expert-data-parallel group (ranks of different expert-parallel rank hold different experts, so
+one expert's shards live only on the ranks holding it, as DeepSpeed's ``ds_process_group`` of an
+expert). :meth:`ParamPartitioner.sub_partitioner` gives the partitioner of such a group (same
+offload, persistence and device; ``p.ds_partitioner`` is it), and this partitioner's
+:meth:`~ParamPartitioner.gather`, :meth:`~ParamPartitioner.release` and
+:meth:`~ParamPartitioner.write_full_from_shards` hand those parameters to it, so the stage 3
+hooks drive one partitioner. A gather issues the subgroups' collectives first, then its own, in
+the same order on every rank.
 """
 
 # DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
@@ -226,6 +237,8 @@ class ParamPartitioner:
         else:
             self.rank, self.world_size = 0, 1
         self.persistence_threshold = persistence_threshold
+        self._offload = offload
+        self._children: dict[int, ParamPartitioner] = {}  # by id of their group
         self.offload_device = offload.device if offload is not None else "none"
         self.pin_memory = bool(offload.pin_memory) if offload is not None else False
         if self.offload_device == "nvme" and shard_store is None:
@@ -345,6 +358,51 @@ class ParamPartitioner:
             p.ds_persist = True
             self.gathered_numel -= p.ds_numel  # the count covers non-persistent ones only
 
+    def sub_partitioner(self, group: Any) -> ParamPartitioner:
+        """The partitioner of parameters sharded over ``group``, a subgroup of this one's (MoE
+        experts over their expert-data-parallel group), created on first use; see [Note:
+        parameters on their own group]."""
+        child = self._children.get(id(group))
+        if child is None:
+            child = ParamPartitioner(
+                group,
+                persistence_threshold=self.persistence_threshold,
+                offload=self._offload,
+                shard_store=self.shard_store,
+                compute_device=self.compute_device,
+            )
+            if self.world_size % child.world_size:
+                raise ValueError(
+                    f"a parameter group's process group has {child.world_size} ranks, which "
+                    f"does not divide the data-parallel size {self.world_size}; it must be a "
+                    "subgroup of the data-parallel group"
+                )
+            self._children[id(group)] = child
+        return child
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """True when ``p`` was partitioned by this partitioner or one of its subgroups'."""
+        owner = getattr(p, "ds_partitioner", None)
+        return owner is self or any(owner is c for c in self._children.values())
+
+    def _split(
+        self, params: Iterable[torch.nn.Parameter]
+    ) -> tuple[list[torch.nn.Parameter], list[tuple[ParamPartitioner, list[torch.nn.Parameter]]]]:
+        """``params`` of this partitioner, and those of each subgroup partitioner."""
+        params = list(params)
+        if not self._children:
+            return params, []
+        own: list[torch.nn.Parameter] = []
+        theirs: dict[int, list[torch.nn.Parameter]] = {}
+        for p in params:
+            owner = getattr(p, "ds_partitioner", self)
+            if owner is self:
+                own.append(p)
+            else:
+                theirs.setdefault(id(owner), []).append(p)
+        children = {id(c): c for c in self._children.values()}
+        return own, [(children[k], v) for k, v in theirs.items() if k in children]
+
     # --- gathering and releasing -----------------------------------------------------------------
 
     def gather(
@@ -360,7 +418,8 @@ class ParamPartitioner:
             ``async_op``).
         """
         todo: list[torch.nn.Parameter] = []
-        depends: list[GatherHandle] = []
+        params, others = self._split(params)  # [Note: parameters on their own group]
+        depends = [child.gather(theirs, async_op=True) for child, theirs in others]
         seen: set[int] = set()
         for p in params:
             if id(p) in seen:
@@ -469,6 +528,9 @@ class ParamPartitioner:
                 hooks; see [Note: freeing gathered storage]). False: only drop the reference
                 (tensors handed out earlier stay valid).
         """
+        params, others = self._split(params)
+        for child, theirs in others:
+            child.release(theirs, free_storage=free_storage)
         for p in params:
             if p.ds_persist:
                 continue
@@ -485,8 +547,10 @@ class ParamPartitioner:
                     p._ds_buffer = None
 
     def release_all(self) -> None:
-        """Release every non-persistent parameter of this partitioner."""
+        """Release every non-persistent parameter of this partitioner (and its subgroups')."""
         self.release(self.params)
+        for child in self._children.values():
+            child.release_all()
 
     # --- writing shards --------------------------------------------------------------------------
 
@@ -511,6 +575,9 @@ class ParamPartitioner:
     def write_full_from_shards(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Refresh the whole value of persistent (and AVAILABLE) parameters from every rank's
         shard, after the shards were updated (an optimizer step)."""
+        params, others = self._split(params)
+        for child, theirs in others:
+            child.write_full_from_shards(theirs)
         whole = [p for p in params if p.ds_status is ZeroParamStatus.AVAILABLE]
         if not whole:
             return
@@ -525,4 +592,5 @@ class ParamPartitioner:
 
     def shard_nbytes(self) -> int:
         """Bytes this rank holds for its parameters: every shard plus the whole persistent ones."""
-        return sum(p.ds_tensor.nbytes + (p.data.nbytes if p.ds_persist else 0) for p in self.params)
+        own = sum(p.ds_tensor.nbytes + (p.data.nbytes if p.ds_persist else 0) for p in self.params)
+        return own + sum(c.shard_nbytes() for c in self._children.values())

@@ -13,6 +13,11 @@ parameter's master sub-group, so micro-batches accumulate there. Gradient shards
 at the first gradient after a step and freed by :meth:`ShardGradReducer.zero` (as torch's
 ``set_to_none``: no rank holds gradient memory between steps). Every rank must use the same
 parameters in a backward (the reduce-scatters are issued in the order gradients complete).
+
+A parameter sharded over its own group (MoE experts over their expert-data-parallel group,
+``_partitioned.py``'s [Note: parameters on their own group]) goes into a bucket of that group,
+reduce-scattered over it; the scaling is the queue's, so its gradient is still divided by the
+data-parallel size (the mean loss over the whole data-parallel batch), as at stages 0-2.
 """
 
 # DeepSpeed's ZeRO-3 parameter attributes (p.ds_id, p.ds_tensor, p.ds_status, ...) are set on
@@ -56,6 +61,8 @@ class ShardGradReducer:
         group: the data-parallel group; ``world_size`` its size.
         release: the residency's hook releasing a parameter once its gradient is taken.
         names: parameter names by ``id``, for errors.
+        own_groups: by ``id`` of a parameter sharded over its own group (MoE experts), that
+            group and its size; the others are sharded over ``group``.
     """
 
     def __init__(
@@ -70,13 +77,19 @@ class ShardGradReducer:
         world_size: int,
         release: Callable[[torch.nn.Parameter], None],
         names: Mapping[int, str],
+        own_groups: Mapping[int, tuple[Any, int]] | None = None,
     ) -> None:
         self.params, self.slots, self.masters = list(params), slots, masters
         self.config, self.queue, self.group, self.world_size = config, queue, group, world_size
         self._release, self.names = release, names
         self.grad_shards: list[torch.Tensor | None] = [None] * len(masters)
-        self._pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._pending_numel = 0
+        self._own_groups = dict(own_groups or {})
+        # one bucket per process group, keyed by the group's id (None: ``group``)
+        self._pending: dict[int | None, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self._pending_numel: dict[int | None, int] = {}
+        self._key_group: dict[int | None, tuple[Any, int]] = {None: (group, world_size)}
+        for pg, size in self._own_groups.values():
+            self._key_group[id(pg)] = (pg, size)
         self._reduced: set[int] = set()
         self.bucket_bytes = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
@@ -113,8 +126,9 @@ class ShardGradReducer:
         del reduce
 
     def finish(self) -> None:
-        """End of backward: reduce the last bucket, land everything, check for unused ones."""
-        self._launch()
+        """End of backward: reduce the last buckets, land everything, check for unused ones."""
+        for key in list(self._pending):
+            self._launch(key)
         self.queue.wait_all()
         if not self.config.ignore_unused_parameters:
             unused = [self.names.get(id(p), "?") for p in self.params if id(p) not in self._reduced]
@@ -127,7 +141,7 @@ class ShardGradReducer:
 
     def abort(self) -> None:
         """Backward raised: drop this pass's partial state."""
-        self._pending, self._pending_numel = [], 0
+        self._pending, self._pending_numel = {}, {}
         self._reduced.clear()
         self.queue.drop()
 
@@ -141,19 +155,25 @@ class ShardGradReducer:
         if grad is None:
             return
         p.grad = None
-        self._pending.append((p, grad))  # type: ignore[arg-type]
-        self._pending_numel += p.ds_tensor.numel() * self.world_size
+        own = self._own_groups.get(id(p))
+        key = None if own is None else id(own[0])
+        world = self.world_size if own is None else own[1]
+        self._pending.setdefault(key, []).append((p, grad))  # type: ignore[arg-type]
+        numel = self._pending_numel.get(key, 0) + p.ds_tensor.numel() * world
+        self._pending_numel[key] = numel
         self._reduced.add(id(p))
         self._release(p)  # type: ignore[arg-type]
-        if self._pending_numel >= self.config.reduce_bucket_size:
-            self._launch()
+        if numel >= self.config.reduce_bucket_size:
+            self._launch(key)
 
-    def _launch(self) -> None:
-        """Reduce-scatter the pending gradients as one bucket of rows."""
-        entries, self._pending, self._pending_numel = self._pending, [], 0
+    def _launch(self, key: int | None = None) -> None:
+        """Reduce-scatter the pending gradients of one process group as one bucket of rows."""
+        entries = self._pending.pop(key, [])
+        self._pending_numel.pop(key, None)
         if not entries:
             return
-        world, queue = self.world_size, self.queue
+        group, world = self._key_group[key]
+        queue = self.queue
         dtype = queue.comm_dtype or entries[0][1].dtype
         cols = sum(p.ds_tensor.numel() for p, _ in entries)
         with queue.side.use():
@@ -172,14 +192,14 @@ class ShardGradReducer:
                 offset += s
             del entries
             flat_bucket = bucket.view(-1)
-            if world == 1:
-                self._land(flat_bucket, placed)
+            if world == 1:  # a one-rank group still takes the data-parallel scaling
+                self._land(queue.send_buffer(flat_bucket), placed)
                 return
             send = queue.send_buffer(flat_bucket)
             out = torch.empty(cols, dtype=dtype, device=bucket.device)
             self.bucket_bytes = max(self.bucket_bytes, bucket.nbytes + out.nbytes)
             work = ds_comm.reduce_scatter_tensor(
-                out, send, group=self.group, async_op=bool(self.config.overlap_comm)
+                out, send, group=group, async_op=bool(self.config.overlap_comm)
             )
         queue.push(work, lambda: self._land(out, placed), max_in_flight=2)
 

@@ -256,7 +256,7 @@ class Stage3Hooks:
         """Gather ``p``, read by ``module``'s running forward although ``module`` does not
         fetch it, and make it one of ``module``'s external parameters (see [Note: parameters
         read outside their module])."""
-        if getattr(p, "ds_partitioner", None) is not self.partitioner:
+        if not self.partitioner.owns(p):
             return  # not this model's: only its own partitioner's hooks can gather it
         register_external_parameter(module, p)
         p.ds_active_sub_modules.add(id(module))

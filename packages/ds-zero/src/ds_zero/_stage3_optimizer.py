@@ -24,6 +24,21 @@ again.
 Every rank must use the same parameters in a backward (the reduce-scatters are issued in the
 order gradients complete); a parameter no rank used gets no reduction (its gradient is zero).
 
+[Note: stage 3 param groups with their own process group]
+``param_group_process_groups`` gives a param group its own process group, a subgroup of the
+data-parallel group: MoE experts and their expert-data-parallel group (DeepSpeed's
+``real_dp_process_group``). Their parameters are partitioned over that group
+(``ParamPartitioner.sub_partitioner``, ``_partitioned.py``'s [Note: parameters on their own
+group]): the ranks of one expert-parallel group hold different experts, and each expert is
+sharded over the ranks that hold it. Their gradients are reduce-scattered over that group and
+divided by the data-parallel size (``_shard_reduce.py``), as at stages 0-2 (``_reduce.py``'s
+[Note: param groups with their own process group]). The squared norm is summed over the
+data-parallel group as before: a dense shard is one 1/dp slice, an expert shard one slice of an
+expert no rank of another expert-data-parallel group holds, so every element counts once.
+Checkpoint shards name parameters by ``checkpoint_names`` when given (ds-engine passes the
+experts' global-expert-id names), so the same expert has one name whatever the ``ep_size``,
+and a checkpoint reshards across ``ep_size`` and world size.
+
 [Note: ZeRO-Infinity sub-group pipeline]
 With ``offload_optimizer.device = "nvme"`` the optimizer state of every master sub-group lives
 in files (``<nvme_path>/ds_zero/rank<r>/group<i>_<name>.swp``, through a
@@ -112,6 +127,14 @@ class Stage3Optimizer(GradientCore):
             parallel) over which the squared gradient norm is summed.
         norm_exclude: as :class:`~ds_zero.ZeroOptimizer`: parameters another rank of
             ``norm_group`` counts in the norm.
+        param_group_process_groups: one entry per optimizer param group: the subgroup of
+            ``group`` its parameters are partitioned and reduced over (MoE experts: their
+            expert-data-parallel group), None for ``group``; see [Note: stage 3 param groups
+            with their own process group].
+        checkpoint_names: the name under which :meth:`checkpoint_shards` saves (and
+            :meth:`load_checkpoint_shards` looks up) a parameter, by its module name (default:
+            the module name): MoE experts by global expert id, so checkpoints reshard across
+            ``ep_size``.
 
     Example:
         >>> zero = Stage3Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -136,6 +159,8 @@ class Stage3Optimizer(GradientCore):
         swapper: TensorSwapper | None = None,
         norm_group: Any = None,
         norm_exclude: Sequence[torch.nn.Parameter] = (),
+        param_group_process_groups: Sequence[Any] | None = None,
+        checkpoint_names: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
         if not self.config.shard_parameters:
@@ -164,6 +189,8 @@ class Stage3Optimizer(GradientCore):
             )
         named = list(model.named_parameters())
         self.names = {id(p): n for n, p in named}
+        self._checkpoint_names = dict(checkpoint_names or {})
+        own_groups = self._partition_own_groups(named, param_group_process_groups)
         self.partitioner.partition(
             [p for _, p in named], names=[n for n, _ in named], broadcast_from=0
         )
@@ -203,6 +230,7 @@ class Stage3Optimizer(GradientCore):
             world_size=self.world_size,
             release=lambda p: self.partitioner.release([p], free_storage=True),
             names=self.names,
+            own_groups=own_groups,
         )
         self._init_core()
         register_param_owner(self, self._slots_params())
@@ -218,6 +246,46 @@ class Stage3Optimizer(GradientCore):
             )
 
     # --- construction ----------------------------------------------------------------------------
+
+    def _partition_own_groups(
+        self, named: Sequence[tuple[str, torch.nn.Parameter]], process_groups: Sequence[Any] | None
+    ) -> dict[int, tuple[Any, int]]:
+        """Partition the param groups that have their own process group over it (see [Note:
+        stage 3 param groups with their own process group]); by parameter ``id``, its group and
+        the group's size."""
+        groups = self.optimizer.param_groups
+        if process_groups is None or all(pg is None for pg in process_groups):
+            return {}
+        if len(process_groups) != len(groups):
+            raise ValueError(
+                f"param_group_process_groups has {len(process_groups)} entries for "
+                f"{len(groups)} optimizer param groups; pass one per group (None: the default)"
+            )
+        name_of = {id(p): n for n, p in named}
+        own: dict[int, tuple[Any, int]] = {}
+        for param_group, pg in zip(groups, process_groups):
+            if pg is None:
+                continue
+            params = list(param_group["params"])
+            taken = [name_of.get(id(p), "?") for p in params if hasattr(p, "ds_partitioner")]
+            if taken:
+                raise ValueError(
+                    f"parameters {taken[:3]} of a param group with its own process group (MoE "
+                    "experts) were already partitioned over the data-parallel group (built "
+                    "under ds_zero.Init); build the MoE layers outside ds_zero.Init"
+                )
+            child = self.partitioner.sub_partitioner(pg)
+            child.partition(
+                params, names=[name_of.get(id(p), "?") for p in params], broadcast_from=0
+            )
+            own.update({id(p): (pg, child.world_size) for p in params})
+        return own
+
+    def _shard_range(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        """``[start, stop)`` of ``p``'s elements this rank holds, over the group it is
+        partitioned over."""
+        owner = p.ds_partitioner
+        return shard_bounds(p.ds_numel, owner.world_size, owner.rank)
 
     def _partitioner_of(self, model: torch.nn.Module) -> ParamPartitioner:
         """The partitioner of parameters partitioned already (``ds_zero.Init``), else a new one
@@ -526,8 +594,9 @@ class Stage3Optimizer(GradientCore):
         shards = []
         trainable = {id(p) for p in self._slots_params()}
         for name, p in self.module.named_parameters():
-            start, stop = shard_bounds(p.ds_numel, self.world_size, self.rank)
+            start, stop = self._shard_range(p)
             n = stop - start
+            name = self._checkpoint_names.get(name, name)
             if id(p) not in trainable:
                 values = {"param": p.ds_tensor.narrow(0, 0, n).float()}
             else:
@@ -557,8 +626,9 @@ class Stage3Optimizer(GradientCore):
         states: list[dict[str, torch.Tensor]] = [{} for _ in self.masters]
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                start, stop = shard_bounds(p.ds_numel, self.world_size, self.rank)
+                start, stop = self._shard_range(p)
                 n = stop - start
+                name = self._checkpoint_names.get(name, name)
                 if id(p) not in trainable:
                     try:
                         found = lookup(name, start, stop)
