@@ -48,6 +48,11 @@ def _save_body(rank: int, world_size: int, *, ep_size: int, path: str) -> list[s
     groups = ds_moe.configure_expert_parallelism(model)
     full = _reference().state_dict()
     model.load_state_dict(ds_moe.expert_parallel_state_dict(model, full, groups))
+    # each held expert parameter's global name is its name in the ep_size=1 model
+    names = ds_moe.global_expert_names(model, groups)
+    state = model.state_dict()
+    assert set(names) == {k for k in state if ".deepspeed_experts." in k}
+    assert all(torch.equal(state[local], full[name]) for local, name in names.items())
     written = ds_moe.save_moe_checkpoint(model, path, groups=groups)
     ds_comm.barrier()
     return sorted(os.path.basename(p) for p in written)

@@ -8,6 +8,7 @@ from ds_moe._checkpoint import (
     dense_state_dict,
     expert_checkpoint_name,
     expert_parallel_state_dict,
+    global_expert_names,
     load_expert_states,
     load_moe_checkpoint,
     model_checkpoint_name,
@@ -67,6 +68,7 @@ __all__ = [
     "load_expert_states",
     "dense_state_dict",
     "expert_parallel_state_dict",
+    "global_expert_names",
     "expert_checkpoint_name",
     "model_checkpoint_name",
     # mixture of students

@@ -32,6 +32,7 @@ __all__ = [
     "dense_state_dict",
     "expert_checkpoint_name",
     "expert_parallel_state_dict",
+    "global_expert_names",
     "load_expert_states",
     "load_moe_checkpoint",
     "model_checkpoint_name",
@@ -144,6 +145,31 @@ def expert_parallel_state_dict(
         for suffix, value in _suffixes(full_state_dict, held.global_key("")).items():
             state[held.local_key(suffix)] = value
     return state
+
+
+def global_expert_names(
+    model: nn.Module, groups: ExpertParallelGroups | None = None
+) -> dict[str, str]:
+    """By parameter name, the name each expert parameter this rank holds has under its global
+    expert id (the name in the same model built with ``ep_size=1``).
+
+    A sharded optimizer checkpoint that names experts this way (ds-zero's stage 3 under
+    ds-engine) holds one tensor per expert whatever the ``ep_size``, so it reshards across
+    ``ep_size`` as the per-expert files do.
+
+    Example:
+        >>> ds_moe.global_expert_names(model, groups)  # rank 1 of ep_size=2, 4 experts
+        {'moe.deepspeed_moe.experts.deepspeed_experts.0.weight':
+         'moe.deepspeed_moe.experts.deepspeed_experts.2.weight', ...}
+    """
+    names = [name for name, _ in model.named_parameters()]
+    result: dict[str, str] = {}
+    for held in _held_experts(model, groups):
+        prefix = held.local_key("")
+        for name in names:
+            if name.startswith(prefix):
+                result[name] = held.global_key(name[len(prefix) :])
+    return result
 
 
 def save_expert_states(
