@@ -30,7 +30,9 @@ def test_defaults_are_deepspeeds() -> None:
     assert (offload.pin_memory, offload.fast_init, offload.ratio) == (True, False, 1.0)
     assert not offload.enabled
     assert config.offload_param.pin_memory is True  # DeepSpeed pins offloaded memory by default
-    assert config.unimplemented["zero_hpz_partition_size"] == 1
+    assert config.zero_hpz_partition_size == 1 and not config.zero_quantized_weights
+    assert not config.zero_quantized_gradients
+    assert config.unimplemented["mics_shard_size"] == -1
     assert config.unimplemented["compute_grad_norm"] is True
 
 
@@ -104,9 +106,8 @@ def test_stage_3_parses() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "feature"),
     [
-        ("zero_quantized_gradients", True, "ZeRO++ quantized gradients"),
+        ("zero_quantized_nontrainable_weights", True, "ZeRO++ quantized frozen weights"),
         ("mics_shard_size", 8, "MiCS"),
-        ("zero_hpz_partition_size", 8, "hpZ"),
         ("stage3_model_persistence_threshold", 10, "persistence budget"),
         ("zenflow", {"topk_ratio": 0.1}, "ZenFlow"),
         ("compute_grad_norm", False, "gradient norm"),

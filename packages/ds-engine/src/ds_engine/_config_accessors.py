@@ -72,6 +72,9 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "zero_round_robin_gradients": f"{_ZERO}.round_robin_gradients",
     "zero_offload_optimizer": f"{_ZERO}.offload_optimizer_if_enabled",
     "zero_offload_param": f"{_ZERO}.offload_param_if_enabled",
+    "zero_quantized_weights": f"{_ZERO}.zero_quantized_weights",
+    "zero_quantized_gradients": f"{_ZERO}.zero_quantized_gradients",
+    "zero_hpz_partition_size": f"{_ZERO}.zero_hpz_partition_size",
     "zero_partial_offload": f"{_ZERO}.offload_optimizer.ratio",
     "super_offload": f"{_ZERO}.offload_optimizer.super_offload",
     "cpuadam_cores_perc": f"{_ZERO}.offload_optimizer.cpuadam_cores_perc",
@@ -105,12 +108,9 @@ DEEPSPEED_ACCESSORS: dict[str, str] = {
     "zero_model_persistence_threshold": f"{_ZERO_UNIMPLEMENTED}.model_persistence_threshold",
     "zero_module_granularity_threshold": f"{_ZERO_UNIMPLEMENTED}.module_granularity_threshold",
     "zero_allgather_sequential": f"{_ZERO_UNIMPLEMENTED}.allgather_sequential",
-    "zero_hpz_partition_size": f"{_ZERO_UNIMPLEMENTED}.zero_hpz_partition_size",
-    "zero_quantized_weights": f"{_ZERO_UNIMPLEMENTED}.zero_quantized_weights",
     "zero_quantized_nontrainable_weights": (
         f"{_ZERO_UNIMPLEMENTED}.zero_quantized_nontrainable_weights"
     ),
-    "zero_quantized_gradients": f"{_ZERO_UNIMPLEMENTED}.zero_quantized_gradients",
     "zero_legacy_stage1": f"{_ZERO_UNIMPLEMENTED}.legacy_stage1",
     "zero_log_trace_cache_warnings": f"{_ZERO_UNIMPLEMENTED}.log_trace_cache_warnings",
     "zero_parameter_alignment": f"{_ZERO_UNIMPLEMENTED}.parameter_alignment",

@@ -62,7 +62,7 @@ import enum
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ from ds_comm.accelerator import get_accelerator
 from ds_zero._streams import SideStream
 
 if TYPE_CHECKING:
+    from ds_zero._zeropp import WeightComm
     from ds_zero.api import OffloadParamConfig
 
 __all__ = [
@@ -148,8 +149,11 @@ class GatherHandle:
         depends: Sequence[GatherHandle] = (),
         on_done: Any = None,
         side: SideStream | None = None,
+        decode: Any = None,
     ) -> None:
         self.params = list(params)
+        self._decode = decode  # ZeRO++: raw output -> a plain gather's rows (_zeropp.py)
+        self.hooked = False  # a stage 3 hooks' gather under ZeRO++ (hpZ keeps a secondary)
         self._work, self._output, self._world = work, output, world_size
         self._depends = list(depends)
         self._on_done = on_done
@@ -168,12 +172,21 @@ class GatherHandle:
         if self._side is not None:
             self._side.join()  # the compute stream reads what the side stream gathered
         if self.params:
-            _unpack(self.params, self._output, self._world)
+            output = self._output
+            if self._decode is not None and output is not None:
+                output = self._decode(output)
+            _unpack(self.params, output, self._world)
         for p in self.params:
             p.ds_status = ZeroParamStatus.AVAILABLE
         self._output = self._work = None
         if self._on_done is not None:
             self._on_done(self)
+
+
+def _flat_shards(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """This rank's shards of ``params`` on ``device``, concatenated (no copy for one on it)."""
+    shards = [p.ds_tensor.to(device, non_blocking=True) for p in params]
+    return shards[0] if len(shards) == 1 else torch.cat(shards)
 
 
 def _unpack(params: Sequence[torch.nn.Parameter], output: torch.Tensor | None, world: int) -> None:
@@ -253,6 +266,8 @@ class ParamPartitioner:
         self._sides: dict[torch.device, SideStream] = {}
         self.gathered_numel = 0  # elements of non-persistent parameters AVAILABLE or INFLIGHT
         self.peak_gathered_numel = 0
+        # ZeRO++ qwZ/hpZ for the stage 3 hooks' gathers (set by Stage3Optimizer; _zeropp.py)
+        self.weight_comm: WeightComm | None = None
 
     # --- partitioning ----------------------------------------------------------------------------
 
@@ -406,12 +421,19 @@ class ParamPartitioner:
     # --- gathering and releasing -----------------------------------------------------------------
 
     def gather(
-        self, params: Iterable[torch.nn.Parameter], *, async_op: bool = False
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        async_op: bool = False,
+        phase: Literal["forward", "backward"] | None = None,
     ) -> GatherHandle:
         """All-gather the whole values of ``params`` in one collective (see [Note: partitioned
         parameters]); AVAILABLE and persistent parameters are skipped.
 
         Every rank of the group must call it with the same parameters in the same order.
+        ``phase`` marks the stage 3 hooks' gathers, which ZeRO++ may quantize (qwZ) or take
+        from the secondary partition in backward (hpZ); None is an exact gather (see
+        ``_zeropp.py``'s [Note: ZeRO++]).
 
         Returns:
             A handle; the parameters are AVAILABLE after its ``wait()`` (already done unless
@@ -441,11 +463,13 @@ class ParamPartitioner:
         device = self._device_of(todo[0])
         for p in todo:
             self._grow_buffer(p, device)
+        comm = self.weight_comm if phase is not None and self.world_size > 1 else None
         direct: torch.Tensor | None = getattr(todo[0], "_ds_buffer", None)
-        direct = direct if len(todo) == 1 else None
+        direct = direct if len(todo) == 1 and comm is None else None
         output: torch.Tensor | None = None
+        decode = None
         numel = sum(p.ds_tensor.numel() for p in todo)
-        if direct is None and self.world_size > 1:  # allocated on the compute stream
+        if direct is None and self.world_size > 1 and comm is None:  # on the compute stream
             output = torch.empty(
                 numel * self.world_size, dtype=todo[0].ds_tensor.dtype, device=device
             )
@@ -453,9 +477,15 @@ class ParamPartitioner:
         # streams for overlap]); the handle's wait() joins it before the values are read.
         side = self._side_stream(device) if async_op and self.world_size > 1 else None
         with side.use() if side is not None else contextlib.nullcontext():
-            shards = [p.ds_tensor.to(device, non_blocking=True) for p in todo]
-            flat = shards[0] if len(shards) == 1 else torch.cat(shards)
-            if direct is not None:  # straight into the whole buffer
+            if comm is not None:
+                work, output, decode = comm.issue(
+                    todo,
+                    lambda: _flat_shards(todo, device),
+                    backward=phase == "backward",
+                    device=device,
+                )
+            elif direct is not None:  # straight into the whole buffer
+                flat = _flat_shards(todo, device)
                 if self.world_size == 1:
                     direct.copy_(flat)
                     work = None
@@ -464,9 +494,11 @@ class ParamPartitioner:
                         direct, flat, group=self.group, async_op=True
                     )
             elif self.world_size == 1:
+                flat = _flat_shards(todo, device)
                 output, work = flat.clone() if flat is todo[0].ds_tensor else flat, None
             else:
                 assert output is not None
+                flat = _flat_shards(todo, device)
                 work = ds_comm.all_gather_into_tensor(output, flat, group=self.group, async_op=True)
             if side is not None:
                 for t in (direct, output):
@@ -482,7 +514,10 @@ class ParamPartitioner:
             p.ds_status = ZeroParamStatus.INFLIGHT
         self.gathered_numel += sum(p.ds_numel for p in todo)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel)
-        handle = GatherHandle(todo, work, output, self.world_size, depends, self._done, side)
+        handle = GatherHandle(
+            todo, work, output, self.world_size, depends, self._done, side, decode=decode
+        )
+        handle.hooked = comm is not None
         for p in todo:
             self._inflight[p.ds_id] = handle
         if not async_op:
@@ -511,6 +546,8 @@ class ParamPartitioner:
             storage.resize_(buffer.nbytes)
 
     def _done(self, handle: GatherHandle) -> None:
+        if handle.hooked and self.weight_comm is not None:
+            self.weight_comm.keep_secondary(handle.params)  # hpZ, after a hooks' gather
         for p in handle.params:
             if self._inflight.get(p.ds_id) is handle:
                 del self._inflight[p.ds_id]
@@ -571,6 +608,13 @@ class ParamPartitioner:
             shard.narrow(0, stop - start, shard.numel() - (stop - start)).zero_()
         if self.shard_store is not None:
             self.shard_store.evict([p])
+        p.ds_secondary_tensor = None  # hpZ's copy of the old value
+
+    def drop_secondary(self) -> None:
+        """Forget ZeRO++ hpZ's secondary partition (the shards changed: an optimizer step, a
+        load); the next forward gathers over the whole group again."""
+        for p in self.params:
+            p.ds_secondary_tensor = None
 
     def write_full_from_shards(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Refresh the whole value of persistent (and AVAILABLE) parameters from every rank's

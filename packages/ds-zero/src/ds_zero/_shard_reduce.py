@@ -63,6 +63,8 @@ class ShardGradReducer:
         names: parameter names by ``id``, for errors.
         own_groups: by ``id`` of a parameter sharded over its own group (MoE experts), that
             group and its size; the others are sharded over ``group``.
+        reduce_scatter: the collective reducing a bucket, with ``reduce_scatter_tensor``'s
+            signature (None: that one; ZeRO++ qgZ: ``_zeropp.quantized_reduce_scatter``).
     """
 
     def __init__(
@@ -78,7 +80,9 @@ class ShardGradReducer:
         release: Callable[[torch.nn.Parameter], None],
         names: Mapping[int, str],
         own_groups: Mapping[int, tuple[Any, int]] | None = None,
+        reduce_scatter: Callable[..., Any] | None = None,
     ) -> None:
+        self._reduce_scatter = reduce_scatter or ds_comm.reduce_scatter_tensor
         self.params, self.slots, self.masters = list(params), slots, masters
         self.config, self.queue, self.group, self.world_size = config, queue, group, world_size
         self._release, self.names = release, names
@@ -198,7 +202,7 @@ class ShardGradReducer:
             send = queue.send_buffer(flat_bucket)
             out = torch.empty(cols, dtype=dtype, device=bucket.device)
             self.bucket_bytes = max(self.bucket_bytes, bucket.nbytes + out.nbytes)
-            work = ds_comm.reduce_scatter_tensor(
+            work = self._reduce_scatter(
                 out, send, group=group, async_op=bool(self.config.overlap_comm)
             )
         queue.push(work, lambda: self._land(out, placed), max_in_flight=2)

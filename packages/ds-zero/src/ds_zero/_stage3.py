@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -82,6 +82,8 @@ from ds_zero._init import register_external_parameter
 from ds_zero._partitioned import GatherHandle, ParamPartitioner, ZeroParamStatus
 
 __all__ = ["PrefetchStats", "Stage3Hooks"]
+
+Phase = Literal["forward", "backward"]
 
 
 @dataclass
@@ -260,7 +262,7 @@ class Stage3Hooks:
             return  # not this model's: only its own partitioner's hooks can gather it
         register_external_parameter(module, p)
         p.ds_active_sub_modules.add(id(module))
-        self.partitioner.gather([p])
+        self.partitioner.gather([p], phase="forward")
 
     # --- fetch sets ------------------------------------------------------------------------------
 
@@ -350,14 +352,15 @@ class Stage3Hooks:
             return output
 
         def callback() -> None:
-            self._fetch(module, record=True)
+            self._fetch(module, record=True, backward=True)
 
         return _map_tensors(output, lambda ts: list(_PreBackward.apply(callback, *ts)))
 
-    def _fetch(self, module: torch.nn.Module, *, record: bool) -> None:
+    def _fetch(self, module: torch.nn.Module, *, record: bool, backward: bool = False) -> None:
         params = self.fetch_set(module)
+        phase: Phase = "backward" if backward else "forward"  # for ZeRO++ (_zeropp.py)
         if not record:
-            self.partitioner.gather(params)
+            self.partitioner.gather(params, phase=phase)
             return
         self._events.append(module)
         waiting = [p for p in params if not p.ds_persist]
@@ -375,9 +378,9 @@ class Stage3Hooks:
                 self.stats.misses += 1
             elif any(prefetched):
                 self.stats.hits += 1
-        handle = self.partitioner.gather(params, async_op=True)
+        handle = self.partitioner.gather(params, async_op=True, phase=phase)
         if following:
-            self._prefetch()
+            self._prefetch(phase)
         handle.wait()
 
     # --- trace -----------------------------------------------------------------------------------
@@ -436,7 +439,7 @@ class Stage3Hooks:
             for p in sets[i]:
                 next_use[p.ds_id] = i
 
-    def _prefetch(self) -> GatherHandle | None:
+    def _prefetch(self, phase: Phase) -> GatherHandle | None:
         if self.prefetch_bucket_size <= 0:
             return None
         assert self.trace is not None
@@ -455,18 +458,18 @@ class Stage3Hooks:
                     # too, else the window would grow by a bucket at every module.
                     total += p.ds_numel
                     if total > budget:
-                        return self._issue(chosen)
+                        return self._issue(chosen, phase)
                     continue
                 if total + p.ds_numel > min(budget, live_room):
-                    return self._issue(chosen)
+                    return self._issue(chosen, phase)
                 chosen.append(p)
                 total += p.ds_numel
-        return self._issue(chosen)
+        return self._issue(chosen, phase)
 
-    def _issue(self, params: list[torch.nn.Parameter]) -> GatherHandle | None:
+    def _issue(self, params: list[torch.nn.Parameter], phase: Phase) -> GatherHandle | None:
         if not params:
             return None
         for p in params:
             self._prefetched[p.ds_id] = p
         self.stats.prefetched += len(params)
-        return self.partitioner.gather(params, async_op=True)
+        return self.partitioner.gather(params, async_op=True, phase=phase)

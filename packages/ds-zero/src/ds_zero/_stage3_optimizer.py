@@ -91,6 +91,7 @@ from ds_zero._shard_reduce import ShardGradReducer, Slot
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
 from ds_zero._streams import CollectiveQueue
+from ds_zero._zeropp import build_weight_comm, quantized_reduce_scatter
 from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
 __all__ = ["Stage3Optimizer"]
@@ -205,6 +206,10 @@ class Stage3Optimizer(GradientCore):
         self._swap = self._state_swap(swapper)
         self.norm_group = norm_group
         self._norm_exclude = self._excluded_slots(norm_exclude)
+        # ZeRO++ qwZ/hpZ: how the hooks' gathers travel, qgZ: how gradients are reduced
+        # (_zeropp.py's [Note: ZeRO++])
+        qgz = quantized_reduce_scatter if self.config.zero_quantized_gradients else None
+        self.partitioner.weight_comm = build_weight_comm(self.config, self.group, self.world_size)
         self.hooks = Stage3Hooks(
             model,
             self.partitioner,
@@ -231,6 +236,7 @@ class Stage3Optimizer(GradientCore):
             release=lambda p: self.partitioner.release([p], free_storage=True),
             names=self.names,
             own_groups=own_groups,
+            reduce_scatter=qgz,
         )
         self._init_core()
         register_param_owner(self, self._slots_params())
@@ -500,6 +506,7 @@ class Stage3Optimizer(GradientCore):
         """Write the masters (or their low-precision copies) into the shards, and persistent
         parameters whole."""
         sources = low if low is not None else self.masters
+        self.partitioner.drop_secondary()  # ZeRO++ hpZ: the copies hold the old values
         with torch.no_grad():
             for p, master in self._resident_shards(sources):
                 p.ds_tensor.copy_(master)

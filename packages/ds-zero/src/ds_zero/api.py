@@ -60,10 +60,7 @@ _REFUSED_WHEN_REQUESTED: dict[str, tuple[Any, str]] = {
     "memory_efficient_linear": (True, "turning off the memory-efficient linear"),
     "override_module_apply": (True, "not overriding Module.apply"),
     "pipeline_loading_checkpoint": (False, "pipelined checkpoint loading"),
-    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning (hpZ)"),
-    "zero_quantized_weights": (False, "ZeRO++ quantized weights (qwZ)"),
     "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights"),
-    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients (qgZ)"),
     "zeropp_loco_param": (None, "LoCo-ZeRO++"),
     "mics_shard_size": (-1, "MiCS sharding"),
     "mics_hierarchical_params_gather": (False, "MiCS hierarchical gathers"),
@@ -285,8 +282,14 @@ class ZeroConfig:
         sub_group_size: stage 3: elements of fp32 master weights per optimizer sub-group (whole
             parameters are grouped until it is exceeded).
         offload_param: stage 3: see :class:`OffloadParamConfig`.
+        zero_quantized_weights: stage 3, ZeRO++ qwZ: the forward and backward all-gathers
+            of parameters send int8 blockwise-quantized shards (see ``_zeropp.py``).
+        zero_quantized_gradients: stage 3, ZeRO++ qgZ: gradients are reduced by an
+            all-to-all of int8 blockwise-quantized rows instead of a reduce-scatter.
+        zero_hpz_partition_size: stage 3, ZeRO++ hpZ: ranks per secondary partition (1: off);
+            backward re-gathers parameters within groups of this many consecutive ranks.
         unimplemented: the keys of features ds does not implement, at DeepSpeed's defaults
-            (the only values accepted): ``unimplemented["zero_hpz_partition_size"]`` is 1.
+            (the only values accepted): ``unimplemented["mics_shard_size"]`` is -1.
     """
 
     stage: int = 0
@@ -309,6 +312,9 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     sub_group_size: int = 1_000_000_000
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
     unimplemented: Mapping[str, Any] = field(
         default_factory=lambda: {k: d for k, (d, _) in _REFUSED_WHEN_REQUESTED.items()},
         compare=False,
@@ -321,6 +327,8 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
             value = _count(f"{_SECTION}.{name}", getattr(self, name), minimum=1)
             object.__setattr__(self, name, value)
+        hpz = _count(f"{_SECTION}.zero_hpz_partition_size", self.zero_hpz_partition_size, minimum=1)
+        object.__setattr__(self, "zero_hpz_partition_size", hpz)
         for name in (
             "stage3_prefetch_bucket_size",
             "stage3_param_persistence_threshold",
@@ -347,6 +355,23 @@ class ZeroConfig:
                 "feature (only stage 3 partitions parameters); set stage to 3 or remove "
                 "offload_param"
             )
+        self._check_zeropp()
+
+    def _check_zeropp(self) -> None:
+        """ZeRO++ (qwZ, qgZ, hpZ) works on stage 3's partitioned parameters, as in DeepSpeed."""
+        asked = {
+            "zero_quantized_weights": self.zero_quantized_weights,
+            "zero_quantized_gradients": self.zero_quantized_gradients,
+            "zero_hpz_partition_size": self.zero_hpz_partition_size > 1,
+        }
+        for key, on in asked.items():
+            value = getattr(self, key)
+            if on and self.stage != 3:
+                raise ConfigError(
+                    f"{_SECTION}.{key} = {value!r} is a ZeRO++ feature of stage 3 (it changes how "
+                    f"partitioned parameters and gradients travel), but stage is {self.stage}; "
+                    f"set stage to 3 or remove {key}"
+                )
 
     def _offload_section(self, key: str, kind: type[_OffloadTarget]) -> Any:
         """Coerce the ``key`` section (None or a mapping) to ``kind`` in place, or say why not."""
