@@ -101,7 +101,6 @@ def test_every_deepspeed_key_is_accepted_when_it_asks_for_nothing() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "feature"),
     [
-        ("sequence_parallel_size", 2, "sequence parallelism"),
         ("tensor_parallel", {"autotp_size": 2, "tp_overlap_comm": True}, "AutoTP settings"),
         ("elasticity", {"enabled": True}, "elastic training"),
         (

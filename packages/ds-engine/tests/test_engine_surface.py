@@ -239,8 +239,8 @@ def _legacy_config_body(rank: int, world_size: int, path: str) -> dict:
     both = argparse.Namespace(deepscale_config=path, deepspeed_config=path)
     with pytest.raises(ds_engine.ConfigError, match="deepscale_config is the legacy name"):
         ds_engine.initialize(args=both, model=make_mlp())
-    with pytest.raises(NotImplementedError, match="mesh_param"):
-        ds_engine.initialize(model=make_mlp(), config=config(), mesh_param=(1, 1))
+    with pytest.raises(ValueError, match=r"mesh_param=\(2, 1\)"):  # 2 x 1 ranks, world of 1
+        ds_engine.initialize(model=make_mlp(), config=config(), mesh_param=(2, 1))
     return {
         "deepscale": engine.steps_per_print(),
         "config_params": by_params.steps_per_print(),

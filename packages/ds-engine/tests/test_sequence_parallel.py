@@ -151,17 +151,3 @@ def test_deepspeed_module_path() -> None:
 
     assert ds_engine.sequence.layer is layer
     assert ds_engine.sequence.DistributedAttention is layer.DistributedAttention
-
-
-def test_sequence_parallel_size_is_refused_and_points_at_distributed_attention() -> None:
-    from ds_engine import ConfigError, DeepSpeedConfig
-
-    with pytest.raises(ConfigError) as err:
-        DeepSpeedConfig.from_dict(
-            {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}
-        )
-    message = str(err.value)
-    assert message.startswith("sequence_parallel_size = 2")
-    assert "not implemented in ds" in message
-    assert "deepspeed.sequence.layer.DistributedAttention" in message
-    DeepSpeedConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 1})

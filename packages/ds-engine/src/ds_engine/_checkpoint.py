@@ -301,13 +301,14 @@ def save_checkpoint(
     with tag_directory(save_dir, tag, rank=rank, save_latest=save_latest) as partial:
         state = _engine_state(engine, client_state, exclude_frozen_parameters)
         _write(_rng_state(), partial / _rng_file(rank))
-        if engine.dp_rank == 0:
+        # one writer per replica: data-parallel (and, with Ulysses, sequence) rank 0
+        if engine.seq_dp_rank == 0:
             _write(state, partial / f"mp_rank_{mp:02d}_model_states.pt")
         save_expert_files(engine.module, partial, engine.expert_groups)
         optimizer = engine.optimizer
         if isinstance(optimizer, _ZERO):
             save_sharded_checkpoint(partial / _zero_dir(engine), optimizer)
-        elif optimizer is not None and engine.dp_rank == 0:
+        elif optimizer is not None and engine.seq_dp_rank == 0:
             _write(optimizer.state_dict(), partial / f"mp_rank_{mp:02d}_optim_states.pt")
     if rank == 0 and isinstance(engine.optimizer, _ZERO):
         write_recovery_script(save_dir)  # as DeepSpeed copies zero_to_fp32.py there

@@ -270,13 +270,6 @@ NOT_IMPLEMENTED: dict[str, NotImplementedFeature] = {
         open=True,
         note="ds_engine.moe.MoE layers give expert parallelism.",
     ),
-    "sequence_parallel_size": NotImplementedFeature(
-        "sequence parallelism (Ulysses)",
-        1,
-        note="The engine does not shard sequences yet; wrap your attention in "
-        "deepspeed.sequence.layer.DistributedAttention over your own sequence group for "
-        "manual use (docs/sequence_parallel.md).",
-    ),
     "seq_parallel_communication_data_type": NotImplementedFeature(
         "sequence-parallel communication in another dtype", "fp32"
     ),

@@ -45,6 +45,7 @@ from ds_engine._placement import (
     move_module,
 )
 from ds_engine._progress import Progress, numerics_table
+from ds_engine._sequence_parallel import check_sequence_composition, sequence_groups
 from ds_engine.api import ConfigError, DeepSpeedConfig
 from ds_engine.autotuning._probe import start_probe
 from ds_engine.utils.timer import EngineTimers
@@ -114,6 +115,7 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
             ds_comm.configure(config.comms_logger)
         cast_mixed_precision(model, config)
         self.expert_groups = configure_experts(model, mpu)
+        check_sequence_composition(self, config.sequence_parallel_size)
         _publish_groups(mpu, self.expert_groups)
         client = self._build_client_optimizer(optimizer, model_parameters)
         self.client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -155,8 +157,11 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
         self.world_size = ds_comm.get_world_size() if initialized else 1
         self.local_rank = ds_comm.get_local_rank()
         self.mp_world_size = self.mpu.get_model_parallel_world_size() if self.mpu is not None else 1
-        # No sequence parallelism: its data-parallel product is the data-parallel size.
-        self.seq_dp_world_size = self.dp_world_size
+        # Ulysses: ZeRO shards over sp x dp (see [Note: Ulysses under the engine]).
+        seq = sequence_groups(self.mpu, self.dp_group, self.dp_rank, self.dp_world_size)
+        self.sequence_parallel_size, self.seq_parallel_group = seq.size, seq.group
+        self.seq_data_parallel_group, self.seq_dp_rank = seq.data_group, seq.data_rank
+        self.seq_dp_world_size = seq.data_world_size
         self.device = engine_device(self.local_rank if device_rank is None else device_rank)
         move_module(model, self.device)
 
@@ -171,7 +176,8 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
         params = model_parameters if model_parameters is not None else self.module.parameters()
         if self.expert_groups is not None:
             params = moe_param_groups(params)
-        return build_client_optimizer(self._config, optimizer, params, group=self.dp_group)
+        group = self.seq_data_parallel_group
+        return build_client_optimizer(self._config, optimizer, params, group=group)
 
     def _wrap(self, client: torch.optim.Optimizer) -> GradientStep:
         config = self._config
@@ -183,13 +189,17 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
             )
         if self.self_reducing:
             return build_gradient_step(
-                self.module, client, config, group=self.dp_group, loss_scaler=self.loss_scaler
+                self.module,
+                client,
+                config,
+                group=self.seq_data_parallel_group,
+                loss_scaler=self.loss_scaler,
             )
         return build_gradient_step(
             self.module,
             client,
             config,
-            group=self.dp_group,
+            group=self.seq_data_parallel_group,
             loss_scaler=self.loss_scaler,
             swapper=nvme_swapper(config, self.module),
             param_group_process_groups=process_groups_of(client, self.expert_groups),

@@ -12,6 +12,10 @@ import torch
 import ds_comm
 from ds_engine._autotp_engine import autotp_mpu
 from ds_engine._engine import DeepSpeedEngine
+from ds_engine._sequence_parallel import (
+    refuse_sequence_parallel_pipeline,
+    sequence_parallel_mpu,
+)
 from ds_engine.api import ConfigError, DeepSpeedConfig, load_config_dict
 
 __all__ = ["add_config_arguments", "initialize"]
@@ -92,8 +96,8 @@ def initialize(
         dist_init_required: initialise ``torch.distributed`` (None: if it is not yet).
         collate_fn: batches samples of ``training_data``.
         config: a config dict or the path of a JSON file.
-        mesh_param: DeepSpeed's ``(data_parallel, sequence_parallel)`` device mesh; refused
-            (sequence parallelism is not implemented in ds).
+        mesh_param: DeepSpeed's ``(data_parallel, sequence_parallel)`` sizes: the same as
+            ``sequence_parallel_size`` (docs/sequence_parallel.md).
         config_params: the same as ``config`` (DeepSpeed's older name).
 
     Returns:
@@ -106,14 +110,10 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=, the torch.nn.Module to train")
-    if mesh_param is not None:
-        raise NotImplementedError(
-            f"initialize(mesh_param={mesh_param!r}): DeepSpeed's data/sequence-parallel device "
-            "mesh is not implemented in ds (no sequence parallelism); leave mesh_param unset"
-        )
     raw = load_config_dict(_config_source(args, config, config_params))
     device_rank = getattr(args, "device_rank", None) if args is not None else None
     if _is_pipeline_module(model):
+        refuse_sequence_parallel_pipeline(raw, mesh_param)
         autotp_mpu(raw, None, pipeline=True)  # AutoTP in pipeline stages: refused
         return _initialize_pipeline(
             model,
@@ -128,6 +128,8 @@ def initialize(
     if dist_init_required or (dist_init_required is None and not ds_comm.is_initialized()):
         ds_comm.init_distributed(distributed_port=distributed_port, verbose=False)
     mpu = autotp_mpu(raw, mpu)  # tensor_parallel.autotp_size: a ParallelGrid's (dp = world / tp)
+    # sequence_parallel_size / mesh_param: a ParallelGrid's sp axis (dp = world / sp)
+    mpu = sequence_parallel_mpu(raw.get("sequence_parallel_size"), mpu, mesh_param=mesh_param)
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world_size = ds_comm.get_world_size(dp_group) if ds_comm.is_initialized() else 1
     parsed = DeepSpeedConfig.from_dict(raw, dp_world_size=dp_world_size)

@@ -59,6 +59,7 @@ from ds_engine._config_sections import (
 from ds_engine._config_triad import batch_key, check_triad, complete_triad
 from ds_engine._flops_config import FlopsProfilerConfig
 from ds_engine._optional import require
+from ds_engine._sequence_parallel import check_sequence_parallel_size
 from ds_engine._timers_config import TimersConfig
 from ds_optim import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig
 from ds_zero import ZeroConfig
@@ -178,6 +179,8 @@ class DeepSpeedConfig(Mapping[str, Any]):
         seed: the shuffle seed of ``deepspeed_io`` loaders, the same on every rank (None: 0).
             It seeds nothing else: DeepSpeed's engine reads no top-level ``seed``; seed torch
             and ``random`` with ``deepspeed.runtime.utils.set_random_seed``.
+        sequence_parallel_size: ranks each sequence is split over (Ulysses; 1: none); the
+            data-parallel size is the world over it (docs/sequence_parallel.md).
         aio: the ``aio`` section (``ds_offload_aio.AioConfig``; None: absent, DeepSpeed's
             defaults apply) used by ``offload_optimizer.device = "nvme"``.
         unimplemented: every key of a feature ds does not implement, at its accepted (inert)
@@ -224,6 +227,7 @@ class DeepSpeedConfig(Mapping[str, Any]):
     dump_state: bool = False
     log_level: str | None = None
     seed: int | None = None
+    sequence_parallel_size: int = 1
     aio: Any = None
     unimplemented: FeatureSettings = field(default_factory=FeatureSettings, compare=False)
     user_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
@@ -255,6 +259,8 @@ class DeepSpeedConfig(Mapping[str, Any]):
                 "fp16.enabled = true and bf16.enabled = true: choose one mixed-precision mode"
             )
         self._check_param_dtype()
+        sp = check_sequence_parallel_size(self.sequence_parallel_size)
+        object.__setattr__(self, "sequence_parallel_size", sp)
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

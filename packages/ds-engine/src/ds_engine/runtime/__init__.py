@@ -2,7 +2,8 @@
 
 Submodules load on first attribute access: ``zero`` (ds-zero), ``pipe`` (ds-pipe), ``engine``,
 ``config``, ``dataloader``, ``utils``, ``lr_schedules`` (ds-optim), ``base_optimizer``,
-``fp16``, ``activation_checkpointing``, ``data_pipeline`` and ``progressive_layer_drop``.
+``fp16``, ``activation_checkpointing``, ``data_pipeline``, ``progressive_layer_drop`` and
+``sequence_parallel`` (Ulysses' data adapter).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _SUBMODULES = frozenset(
         "lr_schedules",
         "pipe",
         "progressive_layer_drop",
+        "sequence_parallel",
         "utils",
         "zero",
     }

@@ -1,0 +1,32 @@
+"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: ``UlyssesSPDataLoaderAdapter``.
+
+The rest of DeepSpeed's ALST module (the Hugging Face attention hook, tiled MLP and tiled loss)
+is importable and refused when used.
+"""
+
+from __future__ import annotations
+
+from ds_engine._not_implemented import not_implemented
+from ds_engine.sequence._loader import UlyssesSPDataLoaderAdapter
+
+__all__ = [
+    "AutogradComputeMLP",
+    "SequenceTiledCompute",
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
+    "sequence_tiled_compute",
+]
+
+_PATH = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+UlyssesSPAttentionHF = not_implemented(
+    f"{_PATH}.UlyssesSPAttentionHF",
+    "the Hugging Face attention hook of ALST; wrap your attention in "
+    "deepspeed.sequence.layer.DistributedAttention and set sequence_parallel_size",
+)
+TiledMLP = not_implemented(f"{_PATH}.TiledMLP", "ALST's tiled MLP")
+SequenceTiledCompute = not_implemented(f"{_PATH}.SequenceTiledCompute", "ALST's tiled compute")
+sequence_tiled_compute = not_implemented(f"{_PATH}.sequence_tiled_compute", "ALST's tiled compute")
+TiledFusedLogitsLoss = not_implemented(f"{_PATH}.TiledFusedLogitsLoss", "ALST's tiled loss")
+AutogradComputeMLP = not_implemented(f"{_PATH}.AutogradComputeMLP", "ALST's tiled MLP")

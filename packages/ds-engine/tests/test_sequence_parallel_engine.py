@@ -1,0 +1,244 @@
+"""``sequence_parallel_size`` under the engine: SP=2 trains exactly as SP=1 on the same global
+sequences, step by step (the Ulysses data adapter, the token-weighted loss, ZeRO over sp x dp),
+on real gloo ranks; the groups and accessors DeepSpeed's clients read."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _sp_testing import (
+    TinyAttentionLM,
+    causal_sdpa,
+    full_loss,
+    make_sample,
+    token_loss,
+)
+
+_SEQ, _PROMPT, _STEPS = 16, 5, 3  # prompt tokens unlabelled: the two slices weigh 4 and 7 tokens
+
+
+def _sp_config(stage: int, sp: int = 2) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": sp,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+    }
+
+
+def _full_params(engine) -> dict:
+    import ds_zero
+
+    params = dict(engine.module.named_parameters())
+    with ds_zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
+def _train_sp(stage: int, sp: int, use_mpu: bool) -> tuple[list[float], list[dict], dict]:
+    """SP=``sp`` training through initialize() and the Ulysses adapter: losses and the full
+    parameters after every step."""
+    import torch
+
+    import ds_comm
+    import ds_engine
+    from ds_engine.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from ds_engine.sequence import DistributedAttention, sequence_parallel_loss
+    from ds_engine.utils import groups
+
+    rank = ds_comm.get_rank()
+    mpu = ds_comm.ParallelGrid(sp=sp).mpu() if use_mpu else None
+    torch.manual_seed(0)
+    model = TinyAttentionLM()
+    engine, *_ = ds_engine.initialize(model=model, config=_sp_config(stage, sp), mpu=mpu)
+    sp_group = groups._get_sequence_parallel_group()
+    # the attention takes the engine's sequence group (built by initialize from the config)
+    model.attention = DistributedAttention(causal_sdpa, sp_group, gather_idx=1)
+    mine = [make_sample(1000 * k + rank, _SEQ, prompt=_PROMPT) for k in range(_STEPS)]
+    loader = UlyssesSPDataLoaderAdapter(
+        mine,
+        sp_rank=groups._get_sequence_parallel_rank(),
+        sp_group=sp_group,
+        sp_world_size=groups._get_sequence_parallel_world_size(),
+        device=engine.device,
+    )
+    assert len(loader) == _STEPS * sp
+    losses, params = [], []
+    for _, batch in zip(range(_STEPS), loader):
+        assert batch["input_ids"].shape == (1, _SEQ // sp)
+        logits = engine(batch["input_ids"], batch["position_ids"])
+        loss, tokens = token_loss(logits, batch["shift_labels"])
+        loss = sequence_parallel_loss(loss, tokens, engine.seq_parallel_group)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        params.append(_full_params(engine))
+    surface = {
+        "sequence_parallel_size": engine.sequence_parallel_size,
+        "dp_world_size": engine.dp_world_size,
+        "seq_dp_world_size": engine.seq_dp_world_size,
+        "train_batch_size": engine.train_batch_size(),
+        "group_is_engines": engine.get_sequence_parallel_group() is sp_group,
+        "sp_ranks": sorted(torch.distributed.get_process_group_ranks(sp_group)),
+    }
+    return losses, params, surface
+
+
+def _reference(world_size: int, sp: int) -> tuple[list[list[float]], list[dict]]:
+    """SP=1 in this process: each step averages the whole-sequence losses of the samples the
+    data-parallel replicas processed (replica ``d``: the batch of its member ``step % sp``)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = TinyAttentionLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    replicas = world_size // sp
+    losses, params = [], []
+    for step in range(_STEPS):
+        members = [d * sp + step % sp for d in range(replicas)]
+        per = [
+            full_loss(model, make_sample(1000 * (step // sp) + r, _SEQ, prompt=_PROMPT))
+            for r in members
+        ]
+        loss = torch.stack(per).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append([float(x.detach()) for x in per])
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, params
+
+
+def _parity_body(rank: int, world_size: int, stages: list[int], use_mpu: bool) -> dict:
+    import ds_comm
+
+    sp = 2
+    ref_losses, ref_params = _reference(world_size, sp)
+    replica = ds_comm.get_rank() // sp
+    out = {}
+    for stage in stages:
+        losses, params, surface = _train_sp(stage, sp, use_mpu)
+        loss_error = max(abs(a - b[replica]) for a, b in zip(losses, ref_losses))
+        param_error = max(
+            float((p[n] - r[n]).abs().max()) for p, r in zip(params, ref_params) for n in r
+        )
+        moved = max(
+            float((ref_params[-1][n] - ref_params[0][n]).abs().max()) for n in ref_params[0]
+        )
+        out[stage] = {"loss": loss_error, "param": param_error, "moved": moved, **surface}
+    return out
+
+
+def _check_two_ranks(stages: list[int]) -> None:
+    for rank, per_stage in enumerate(run_on_ranks(_parity_body, 2, stages, False, timeout=300)):
+        for stage, got in per_stage.items():
+            assert got["moved"] > 1e-3, (stage, got)  # the steps changed the weights
+            assert got["loss"] < 1e-5 and got["param"] < 1e-5, (rank, stage, got)
+            assert got["sequence_parallel_size"] == 2 and got["group_is_engines"]
+            assert got["dp_world_size"] == 1 and got["seq_dp_world_size"] == 2
+            assert got["train_batch_size"] == 1 and got["sp_ranks"] == [0, 1]
+
+
+def test_sp2_equals_sp1_two_ranks_zero3() -> None:
+    _check_two_ranks([3])
+
+
+@pytest.mark.slow
+def test_sp2_equals_sp1_two_ranks_zero0_1_2() -> None:
+    _check_two_ranks([0, 1, 2])
+
+
+@pytest.mark.slow
+def test_sp2_with_zero3_over_dp2_equals_sp1_four_ranks() -> None:
+    results = run_on_ranks(_parity_body, 4, [3, 1], True, timeout=600)
+    for rank, per_stage in enumerate(results):
+        for stage, got in per_stage.items():
+            assert got["moved"] > 1e-3, (stage, got)
+            assert got["loss"] < 1e-5 and got["param"] < 1e-5, (rank, stage, got)
+            assert got["dp_world_size"] == 2 and got["seq_dp_world_size"] == 4
+            assert got["train_batch_size"] == 2
+            assert got["sp_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+
+
+def _refusals_body(rank: int, world_size: int) -> dict:
+    import ds_comm
+    import ds_engine
+
+    def config(**extra):
+        return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, **extra}
+
+    errors = {}
+    for label, kwargs in {
+        "indivisible": {"config": config(sequence_parallel_size=3)},
+        "mpu without sp": {
+            "config": config(sequence_parallel_size=2),
+            "mpu": ds_comm.ParallelGrid().mpu(),
+        },
+        "mesh disagrees": {"config": config(sequence_parallel_size=2), "mesh_param": (2, 1)},
+    }.items():
+        try:
+            ds_engine.initialize(model=TinyAttentionLM(), **kwargs)
+        except ds_engine.ConfigError as err:
+            errors[label] = str(err)
+    engine, *_ = ds_engine.initialize(model=TinyAttentionLM(), config=config(), mesh_param=(1, 2))
+    return {
+        "errors": errors,
+        "mesh_sp": engine.sequence_parallel_size,
+        "mesh_dp": engine.dp_world_size,
+    }
+
+
+def test_initialize_refuses_what_it_cannot_split_and_takes_mesh_param() -> None:
+    for got in run_on_ranks(_refusals_body, 2, timeout=120):
+        errors = got["errors"]
+        assert (
+            "sequence_parallel_size = 3 does not divide the world size 2" in errors["indivisible"]
+        )
+        assert "sequence-parallel group of 1 rank(s)" in errors["mpu without sp"]
+        assert "mesh_param=(2, 1)" in errors["mesh disagrees"]
+        assert got["mesh_sp"] == 2 and got["mesh_dp"] == 1
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "two", True])
+def test_sequence_parallel_size_must_be_a_positive_integer(value) -> None:
+    from ds_engine import ConfigError, DeepSpeedConfig
+
+    with pytest.raises(ConfigError, match=r"^sequence_parallel_size = .*positive integer"):
+        DeepSpeedConfig.from_dict(
+            {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": value}
+        )
+    parsed = DeepSpeedConfig.from_dict(
+        {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}
+    )
+    assert parsed.sequence_parallel_size == 2
+
+
+def test_shard_sequence_shifts_labels_over_the_whole_sequence() -> None:
+    import torch
+
+    from ds_engine.sequence import shard_sequence
+
+    batch = {
+        "input_ids": torch.arange(8).view(1, 8),
+        "position_ids": torch.arange(8).view(1, 8),
+        "labels": torch.arange(10, 18).view(1, 8),
+        "meta": "kept",
+    }
+    first, second = (shard_sequence(batch, r, 2) for r in (0, 1))
+    assert first["input_ids"].tolist() == [[0, 1, 2, 3]]
+    assert second["position_ids"].tolist() == [[4, 5, 6, 7]]
+    assert first["shift_labels"].tolist() == [[11, 12, 13, 14]]  # the last predicts slice 2's first
+    assert second["shift_labels"].tolist() == [[15, 16, 17, -100]]
+    assert "labels" not in first and first["meta"] == "kept"
+    with pytest.raises(
+        ValueError, match="sequence length 8 is not divisible by the sequence parallel size 3"
+    ):
+        shard_sequence(batch, 0, 3)
