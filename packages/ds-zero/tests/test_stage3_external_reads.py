@@ -6,6 +6,7 @@ copy and pickle as plain dicts. (Training parity: ``ds-engine/tests/test_stage3_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import torch
@@ -71,3 +72,52 @@ def _body(rank: int, world_size: int) -> bool:
 
 def test_a_parameter_read_by_another_modules_forward_is_gathered_and_released() -> None:
     assert run_on_ranks(_body, 2) == [True, True]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Routed:
+    weights: torch.Tensor
+    count: int
+
+
+class _Gate(nn.Module):
+    """ds-moe's gate: reads its projection's weight without calling it, returns a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wg = nn.Linear(4, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> _Routed:
+        return _Routed(torch.softmax(nn.functional.linear(x, self.wg.weight), -1), 3)
+
+
+class _Routing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = _Gate()
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gate(x).weights)
+
+
+def _dataclass_body(rank: int, world_size: int) -> float:
+    torch.manual_seed(0)
+    model = _Routing()
+    reference = copy.deepcopy(model)
+    optimizer = _stage3(model)
+    x = torch.randn(5, 4)
+    for _ in range(2):  # the gate's weight is gathered again for the backward
+        optimizer.backward(model(x).sum())
+        optimizer.step()
+        reference(x).sum().backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    with torch.no_grad():
+        return (model(x) - reference(x)).abs().max().item()
+
+
+def test_a_dataclass_output_gathers_its_module_for_backward() -> None:
+    assert max(run_on_ranks(_dataclass_body, 2)) < 1e-6

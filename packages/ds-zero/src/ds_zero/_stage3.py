@@ -71,6 +71,7 @@ is built.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -152,7 +153,8 @@ def is_leaf(module: torch.nn.Module) -> bool:
 
 
 def _map_tensors(obj: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
-    """Apply ``fn`` once to every tensor requiring grad inside ``obj`` (tuples, lists, dicts).
+    """Apply ``fn`` once to every tensor requiring grad inside ``obj`` (tuples, lists, dicts,
+    dataclass instances: ds-moe's gate returns a ``Routing``).
 
     The walks are module-level functions, not nested closures: a closure that calls itself is a
     reference cycle, and one holding the module's outputs would keep every activation alive
@@ -175,6 +177,10 @@ def _collect(o: Any, found: list[torch.Tensor]) -> None:
     elif isinstance(o, dict):
         for x in o.values():
             _collect(x, found)
+    elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+        for f in dataclasses.fields(o):
+            if f.init:
+                _collect(getattr(o, f.name), found)
 
 
 def _rebuild(o: Any, replaced: Iterator[torch.Tensor]) -> Any:
@@ -186,6 +192,9 @@ def _rebuild(o: Any, replaced: Iterator[torch.Tensor]) -> Any:
         return type(o)(_rebuild(x, replaced) for x in o)
     if isinstance(o, dict):
         return type(o)((k, _rebuild(v, replaced)) for k, v in o.items())
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        fields = [f.name for f in dataclasses.fields(o) if f.init]
+        return dataclasses.replace(o, **{n: _rebuild(getattr(o, n), replaced) for n in fields})
     return o
 
 
