@@ -65,3 +65,32 @@ def full_loss(model: nn.Module, sample: dict[str, torch.Tensor]) -> torch.Tensor
     """SP=1: the sample's loss over its whole sequence."""
     shift = F.pad(sample["labels"], (0, 1), value=-100)[:, 1:]
     return token_loss(model(sample["input_ids"], sample["position_ids"]), shift)[0]
+
+
+class LlamaAttentionLM(nn.Module):
+    """Llama-style names (``q/k/v/o_proj``, ``num_heads``; ``gate/up/down_proj``) that AutoTP
+    shards, with the attention call replaceable by ``DistributedAttention``."""
+
+    def __init__(self, vocab: int = 16, dim: int = 16, heads: int = 8, max_len: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.gate_proj, self.up_proj = nn.Linear(dim, 2 * dim), nn.Linear(dim, 2 * dim)
+        self.down_proj = nn.Linear(2 * dim, dim)
+        self.lm_head = nn.Linear(dim, vocab)
+        self.attention: Any = causal_sdpa
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos(position_ids)
+        b, s, _ = x.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, s, self.num_heads, self.head_dim)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        x = x + self.o_proj(self.attention(q, k, v).reshape(b, s, -1))
+        x = x + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.lm_head(x)

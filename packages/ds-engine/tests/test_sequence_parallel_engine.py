@@ -13,6 +13,7 @@ from ds_testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _sp_testing import (
+    LlamaAttentionLM,
     TinyAttentionLM,
     causal_sdpa,
     full_loss,
@@ -242,3 +243,57 @@ def test_shard_sequence_shifts_labels_over_the_whole_sequence() -> None:
         ValueError, match="sequence length 8 is not divisible by the sequence parallel size 3"
     ):
         shard_sequence(batch, 0, 3)
+
+
+def _sp_tp_body(rank: int, world_size: int) -> dict:
+    """sp=2 x tp=2 on 4 ranks (AutoTP's tensor_parallel.autotp_size and sequence_parallel_size
+    in one config, one grid) against the single-process model on the whole sequences."""
+    import torch
+
+    import ds_engine
+    from ds_engine import gather_tp_state_dict
+    from ds_engine.sequence import (
+        DistributedAttention,
+        UlyssesSPDataLoaderAdapter,
+        sequence_parallel_loss,
+    )
+
+    config = {**_sp_config(1), "tensor_parallel": {"autotp_size": 2}}
+    torch.manual_seed(0)
+    ref = LlamaAttentionLM()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    torch.manual_seed(0)
+    model = LlamaAttentionLM()
+    engine, *_ = ds_engine.initialize(model=model, config=config)
+    model.attention = DistributedAttention(causal_sdpa, engine.seq_parallel_group, gather_idx=1)
+    sp_rank = engine.mpu.get_sequence_parallel_rank()
+    mine = [make_sample(1000 * k + sp_rank, _SEQ, prompt=_PROMPT) for k in range(_STEPS)]
+    loader = UlyssesSPDataLoaderAdapter(mine, sp_rank, engine.seq_parallel_group, 2, engine.device)
+    loss_error = param_error = 0.0
+    for step, batch in zip(range(_STEPS), loader):
+        logits = engine(batch["input_ids"], batch["position_ids"])
+        loss, tokens = token_loss(logits, batch["shift_labels"])
+        loss = sequence_parallel_loss(loss, tokens, engine.seq_parallel_group)
+        engine.backward(loss)
+        engine.step()
+        expected = full_loss(ref, make_sample(1000 * (step // 2) + step % 2, _SEQ, prompt=_PROMPT))
+        opt.zero_grad()
+        expected.backward()
+        opt.step()
+        loss_error = max(loss_error, abs(float(loss) - float(expected)))
+        merged = gather_tp_state_dict(model)
+        for name, value in ref.state_dict().items():
+            param_error = max(param_error, float((merged[name] - value).abs().max()))
+    return {
+        "loss": loss_error,
+        "param": param_error,
+        "sizes": (engine.sequence_parallel_size, engine.mp_world_size, engine.dp_world_size),
+        "local_heads": model.num_heads,
+    }
+
+
+@pytest.mark.slow
+def test_sp2_with_autotp2_equals_the_single_process_model_four_ranks() -> None:
+    for got in run_on_ranks(_sp_tp_body, 4, timeout=600):
+        assert got["sizes"] == (2, 2, 1) and got["local_heads"] == 4, got
+        assert got["loss"] < 1e-5 and got["param"] < 1e-5, got

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import ds_comm
-from ds_engine._autotp_engine import autotp_mpu
+from ds_engine._autotp_engine import autotp_mpu, autotp_size
 from ds_engine._engine import DeepSpeedEngine
 from ds_engine._sequence_parallel import (
     refuse_sequence_parallel_pipeline,
@@ -127,9 +127,10 @@ def initialize(
         )
     if dist_init_required or (dist_init_required is None and not ds_comm.is_initialized()):
         ds_comm.init_distributed(distributed_port=distributed_port, verbose=False)
+    # sequence_parallel_size / mesh_param: one ParallelGrid's sp (and AutoTP's tp) axes
+    sp_size, tp_size = raw.get("sequence_parallel_size"), max(1, autotp_size(raw))
+    mpu = sequence_parallel_mpu(sp_size, mpu, mesh_param=mesh_param, tp=tp_size)
     mpu = autotp_mpu(raw, mpu)  # tensor_parallel.autotp_size: a ParallelGrid's (dp = world / tp)
-    # sequence_parallel_size / mesh_param: a ParallelGrid's sp axis (dp = world / sp)
-    mpu = sequence_parallel_mpu(raw.get("sequence_parallel_size"), mpu, mesh_param=mesh_param)
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_world_size = ds_comm.get_world_size(dp_group) if ds_comm.is_initialized() else 1
     parsed = DeepSpeedConfig.from_dict(raw, dp_world_size=dp_world_size)
