@@ -35,7 +35,12 @@ from ds_engine._data_efficiency import DataEfficiencyMixin
 from ds_engine._engine_surface import EngineSurface
 from ds_engine._flops_engine import EngineFlopsProfile
 from ds_engine._loader import DeepSpeedDataLoader, build_loader
-from ds_engine._moe import configure_experts, moe_param_groups, process_groups_of
+from ds_engine._moe import (
+    checkpoint_names_of,
+    configure_experts,
+    moe_param_groups,
+    process_groups_of,
+)
 from ds_engine._monitor import build_monitor
 from ds_engine._nvme import nvme_swapper
 from ds_engine._placement import (
@@ -203,6 +208,8 @@ class DeepSpeedEngine(EngineSurface, DataEfficiencyMixin, nn.Module):
             loss_scaler=self.loss_scaler,
             swapper=nvme_swapper(config, self.module),
             param_group_process_groups=process_groups_of(client, self.expert_groups),
+            # ZeRO-3 shards name experts by global id: they reshard across ep_size
+            checkpoint_names=checkpoint_names_of(self.module, self.expert_groups),
             # prescale_gradients: all of the averaging before the sum (see docs/engine.md)
             gradient_predivide_factor=(
                 None if config.prescale_gradients else config.gradient_predivide_factor

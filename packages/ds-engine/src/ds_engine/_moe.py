@@ -14,6 +14,12 @@ layout: the model file holds the dense weights, each expert goes to its own
 ``layer_<L>_expert_<E>_mp_rank_<mp>_model_states.pt`` (written by the first rank of its
 expert-data-parallel group), so a model saved with one ``ep_size`` loads with another.
 
+Under ZeRO stage 3 the experts are partitioned over their expert-data-parallel group (ds-zero's
+[Note: stage 3 param groups with their own process group]); the expert files are written from
+the gathered experts, and the ZeRO shards name every expert parameter by its global expert id
+(``ds_moe.global_expert_names``), so the sharded checkpoint (weights and optimizer state)
+reshards across ``ep_size`` and world size too.
+
 ds-moe is optional: a model can only hold ``MoE`` layers if ``ds_moe`` was imported, so the
 engine looks for it in ``sys.modules`` and never imports it itself.
 """
@@ -30,8 +36,10 @@ from torch import nn
 
 import ds_comm
 from ds_engine.api import ConfigError
+from ds_zero import GatheredParameters
 
 __all__ = [
+    "checkpoint_names_of",
     "configure_experts",
     "load_module_state",
     "module_state",
@@ -94,6 +102,14 @@ def _edp_group(group: Any, singleton: list[Any]) -> Any:
     return singleton[0]
 
 
+def checkpoint_names_of(model: nn.Module, expert_groups: Any) -> dict[str, str] | None:
+    """ds-zero's ``checkpoint_names``: each expert parameter's name under its global expert id
+    (None without MoE layers); see [Note: MoE under the engine]."""
+    if expert_groups is None:
+        return None
+    return sys.modules["ds_moe"].global_expert_names(model, expert_groups)
+
+
 def module_state(model: nn.Module, state: dict[str, Any], expert_groups: Any) -> dict[str, Any]:
     """What the model file holds: without the experts when the model has MoE layers."""
     if expert_groups is None:
@@ -104,7 +120,12 @@ def module_state(model: nn.Module, state: dict[str, Any], expert_groups: Any) ->
 
 def save_expert_files(model: nn.Module, folder: Path, expert_groups: Any) -> None:
     """Write this rank's experts, one file each (collective over nothing; every rank calls)."""
-    if expert_groups is not None:
+    if expert_groups is None:
+        return
+    names = checkpoint_names_of(model, expert_groups) or {}
+    experts = [p for n, p in model.named_parameters() if n in names]
+    # ZeRO-3: whole while written (every rank gathers, over its expert-data-parallel group)
+    with GatheredParameters([p for p in experts if hasattr(p, "ds_tensor")]):
         sys.modules["ds_moe"].save_expert_states(model, folder, expert_groups)
 
 
