@@ -1,0 +1,225 @@
+"""Ulysses sequence parallelism (``sequence_parallel_size``) against SP=1: peak activation memory
+per rank at a long sequence, same run.
+
+Each mode trains the same causal LM (``--layers`` pre-norm blocks of multi-head attention and a
+GELU MLP, width ``--dim``) from the same seed on the same ``--seq``-token sequences through
+``ds_engine.initialize`` at ZeRO ``--stage``, on ``sp`` local gloo ranks (file-store
+rendezvous, one process group per mode):
+
+* ``sp1``: one rank holds the whole sequence (torch SDPA over every token);
+* ``sp2`` (``sp4``, ...): ``"sequence_parallel_size": N`` on N ranks; each rank gets its
+  ``seq / N`` tokens (``deepspeed.sequence.shard_sequence``), attention runs through
+  ``DistributedAttention`` (all-to-all to whole-sequence, ``heads / N`` heads), and the loss is
+  ``sequence_parallel_loss`` (token-weighted over the group).
+
+Per mode the table shows the tokens one rank holds, the peak activation memory of the busiest
+rank during forward and backward (bytes allocated above what was live when the step began:
+``torch.cuda.max_memory_allocated`` on a GPU; on the CPU, which has no allocator statistics, a
+``TorchDispatchMode`` sums the live storages operators create, as
+``tools/bench/activation_checkpointing.py`` does), the median step time of the slowest rank
+and the last loss (the same sequences in every mode: the losses agree).
+
+Usage (from the workspace root)::
+
+    uv run python tools/bench/ulysses.py                     # seq 8192, sp 1 and 2
+    uv run python tools/bench/ulysses.py --modes 1 2 4 --seq 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MIB = 1 << 20
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the host storages operators create while active, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if key in self.live or storage.nbytes() == 0:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[b, s, h, d]`` causal attention."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.attention: Any = _sdpa
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.norm1(x)).chunk(3, -1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads) for t in qkv)
+        x = x + self.proj(self.attention(q, k, v).reshape(b, s, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class LM(nn.Module):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(args.vocab, args.dim)
+        self.pos = nn.Embedding(args.seq, args.dim)
+        self.blocks = nn.ModuleList(Block(args.dim, args.heads) for _ in range(args.layers))
+        self.norm, self.head = nn.LayerNorm(args.dim), nn.Linear(args.dim, args.vocab)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos(position_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _peak_of(run: Any, device: torch.device) -> int:
+    """Bytes allocated above the step's start while ``run()`` runs (forward and backward)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with LiveBytes() as tracker:
+        run()
+    return tracker.peak
+
+
+def _rank(rank: int, args: argparse.Namespace, sp: int, store: str, out: str) -> None:
+    import ds_engine
+    from ds_engine.sequence import (
+        DistributedAttention,
+        sequence_parallel_loss,
+        shard_sequence,
+    )
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=sp)
+    torch.manual_seed(0)
+    model = LM(args)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "sequence_parallel_size": sp,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": args.stage},
+    }
+    engine, *_ = ds_engine.initialize(model=model, config=config)
+    if sp > 1:
+        for block in model.blocks:
+            block.attention = DistributedAttention(_sdpa, engine.seq_parallel_group, gather_idx=1)
+    gen = torch.Generator().manual_seed(1)
+    peaks, times, loss = [], [], torch.zeros(())
+    for step in range(args.steps):
+        ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
+        sample = {"input_ids": ids, "position_ids": torch.arange(args.seq)[None], "labels": ids}
+        batch = shard_sequence(sample, rank, sp)
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+
+        def fwd_bwd(batch: dict[str, torch.Tensor] = batch) -> None:
+            nonlocal loss
+            logits = engine(batch["input_ids"], batch["position_ids"])
+            labels = batch["shift_labels"]
+            local = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            value = sequence_parallel_loss(local, (labels != -100).sum(), engine.seq_parallel_group)
+            engine.backward(value)
+            loss = value.detach()
+
+        dist.barrier()
+        start = time.perf_counter()
+        peak = _peak_of(fwd_bwd, engine.device)
+        engine.step()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+            peaks.append(peak)
+    row = torch.tensor([max(peaks), statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the busiest / slowest rank
+    if rank == 0:
+        peak, seconds = row.tolist()
+        result = {"peak": peak, "ms": 1e3 * seconds, "loss": loss.item()}
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--modes", type=int, nargs="+", default=[1, 2], help="sp sizes")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (0-3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args(argv)
+    results = {}
+    for sp in args.modes:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, store = str(Path(tmp) / "result"), str(Path(tmp) / "store")
+            mp.spawn(_rank, args=(args, sp, store, out), nprocs=sp)
+            results[sp] = json.loads(Path(out).read_text())
+    base = results[args.modes[0]]
+    print(
+        f"\nUlysses vs SP={args.modes[0]}: gloo ranks = sp, ZeRO-{args.stage}, seq {args.seq}, "
+        f"dim {args.dim}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}, "
+        f"median of {args.steps - args.warmup} steps\n"
+    )
+    print(
+        f"{'mode':<6} {'tokens/rank':>11} {'peak act. MiB/rank':>19} {'vs base':>8} "
+        f"{'ms/step':>9} {'vs base':>8} {'last loss':>10}"
+    )
+    for sp, r in results.items():
+        print(
+            f"{'sp' + str(sp):<6} {args.seq // sp:>11} {r['peak'] / MIB:>19.1f} "
+            f"{r['peak'] / base['peak']:>8.2f} {r['ms']:>9.1f} {r['ms'] / base['ms']:>8.2f} "
+            f"{r['loss']:>10.5f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
