@@ -183,3 +183,28 @@ def test_stage3_param_group_on_its_own_process_group(world_size: int) -> None:
         assert r["norm_vs_ref"] < 1e-5 and r["norm_vs_stage2"] < 1e-6, r
         assert r["stage3_vs_stage2"] < 1e-6 and r["stage3_vs_ref"] < 1e-5, r
         assert r["expert_shard"] == DIM * DIM / (world_size // EP), r
+
+
+def _init_refused_body(rank: int, world_size: int) -> str:
+    from ds_zero import Init, Stage3Optimizer, ZeroConfig
+
+    with Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        model = _DenseAndExpert(expert_seed=1 + rank)
+    optimizer = torch.optim.Adam(
+        [{"params": model.dense.parameters()}, {"params": model.expert.parameters()}], lr=1e-2
+    )
+    edp = _expert_data_groups(world_size)
+    try:
+        Stage3Optimizer(
+            model, optimizer, ZeroConfig(stage=3), param_group_process_groups=[None, edp]
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_stage3_refuses_experts_partitioned_under_init() -> None:
+    """Experts built under ``ds_zero.Init`` are partitioned over the whole data-parallel group
+    (each rank's expert differs): refused, naming them, instead of mixing experts' shards."""
+    for message in run_on_ranks(_init_refused_body, 2):
+        assert "['expert.weight', 'expert.bias']" in message and "ds_zero.Init" in message
