@@ -62,7 +62,7 @@ def numerics_table(config: DeepSpeedConfig, *, self_reducing: bool = False) -> s
         ("parameters", low),
         ("gradients", f"{low} ({grads_at})"),
         ("gradient accumulation", f"{low}, {config.gradient_accumulation_steps} micro-batches"),
-        ("reductions", f"{wire} over {config.dp_world_size} data-parallel ranks"),
+        ("reductions", f"{wire} over {_reduction_ranks(config)}"),
         ("master weights", master),
         ("optimizer state", "float32" + (" (host)" if offload else "")),
         ("loss scaling", scaling),
@@ -77,6 +77,14 @@ def numerics_table(config: DeepSpeedConfig, *, self_reducing: bool = False) -> s
     lines = ["numerics contract", "-" * (width + 40)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _reduction_ranks(config: DeepSpeedConfig) -> str:
+    """The ranks gradients are averaged over: data x sequence parallel under Ulysses."""
+    sp = config.sequence_parallel_size
+    if sp > 1:
+        return f"{config.dp_world_size * sp} ranks ({config.dp_world_size} data x {sp} sequence)"
+    return f"{config.dp_world_size} data-parallel ranks"
 
 
 _DEEPSPEED_TIMER = {"forward": "fwd", "backward": "bwd", "step": "step"}
