@@ -371,3 +371,13 @@ def test_the_adapter_needs_position_ids_and_dict_batches() -> None:
         assert len(adapter) == 2
         with pytest.raises(ValueError, match=message):
             next(adapter)
+
+
+def test_alst_pieces_import_and_refuse_by_name() -> None:
+    from ds_engine.runtime.sequence_parallel import ulysses_sp
+
+    with pytest.raises(NotImplementedError, match="register_with_transformers"):
+        ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model_name_or_path="m")
+    for name in ("UlyssesSPAttentionHF", "TiledMLP", "TiledFusedLogitsLoss"):
+        with pytest.raises(NotImplementedError, match=f"ulysses_sp.{name} .*not implemented"):
+            getattr(ulysses_sp, name)()

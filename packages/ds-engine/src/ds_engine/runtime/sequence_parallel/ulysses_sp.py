@@ -6,6 +6,8 @@ is importable and refused when used.
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 from ds_engine._not_implemented import not_implemented
 from ds_engine.sequence._loader import UlyssesSPDataLoaderAdapter
 
@@ -25,6 +27,19 @@ UlyssesSPAttentionHF = not_implemented(
     "the Hugging Face attention hook of ALST; wrap your attention in "
     "deepspeed.sequence.layer.DistributedAttention and set sequence_parallel_size",
 )
+
+
+def _refuse_registration(*args: Any, **kwargs: Any) -> NoReturn:
+    raise NotImplementedError(
+        f"{_PATH}.UlyssesSPAttentionHF.register_with_transformers (patching Hugging Face "
+        "attention for Ulysses) is not implemented in ds; wrap the attention in "
+        "deepspeed.sequence.layer.DistributedAttention and set sequence_parallel_size "
+        "(docs/sequence_parallel.md)"
+    )
+
+
+# Accelerate calls it on the class (its sp_backend="deepspeed" path): refuse by name there too.
+UlyssesSPAttentionHF.register_with_transformers = staticmethod(_refuse_registration)  # type: ignore[attr-defined]
 TiledMLP = not_implemented(f"{_PATH}.TiledMLP", "ALST's tiled MLP")
 SequenceTiledCompute = not_implemented(f"{_PATH}.SequenceTiledCompute", "ALST's tiled compute")
 sequence_tiled_compute = not_implemented(f"{_PATH}.sequence_tiled_compute", "ALST's tiled compute")
