@@ -341,6 +341,11 @@ def _check_resharded_load(tmp_path: Path, load_world: int, load_ep: int) -> None
     at_save = _merged([s for s, _, _ in saved])
     after = _merged([a for _, a, _ in saved])
     assert len(at_save) == len(_model(1).state_dict())  # every expert, by global id
+    from ds_zero import consolidate  # zero_to_fp32: the ep_size=1 model's state dict
+
+    whole = consolidate(tmp_path / "t3" / "zero", progress=False)
+    assert whole.keys() == at_save.keys()
+    assert all(torch.equal(whole[k], v) for k, v in at_save.items())
     for module_only in (False, True):
         loaded = run_on_ranks(
             _zero3_load_body,
