@@ -7,11 +7,12 @@ the step are those of plain ZeRO-3 (``_stage3_optimizer.py``).
 
 - **qwZ** (``zero_quantized_weights``): the parameter all-gathers of the forward and backward
   hooks (``_stage3.py``) send each rank's shards as int8 codes with one float32 scale per block
-  (``ds_kernels.quantize_blockwise``; the blocks are 256 elements, fewer for a gather of fewer
-  elements), packed into one byte buffer, so one all-gather moves about a quarter of the fp32
-  bytes. Every rank dequantizes every rank's shards, its own included, so all ranks compute with
-  the same weights, and the backward's re-gather gives the forward's values again (the same
-  shards quantize to the same codes). Other gathers (``GatheredParameters``, the persistent
+  (``ds_kernels.quantize_blockwise``; the blocks are 256 elements, fewer for a shard of fewer
+  elements, and never span two parameters), packed into one byte buffer, so one all-gather moves
+  about a quarter of the fp32 bytes. Every rank dequantizes every rank's shards, its own
+  included, so all ranks compute with the same weights, and the backward's re-gather gives the
+  forward's values again (a shard quantizes to the same codes whichever parameters share its
+  collective). Other gathers (``GatheredParameters``, the persistent
   parameters refreshed after a step, checkpoints) stay exact, as in DeepSpeed.
 - **qgZ** (``zero_quantized_gradients``): a gradient bucket of rows ``[rank r's shard of each
   parameter]`` is quantized row by row (int8 codes, one scale per block) and sent by one
@@ -98,6 +99,46 @@ def _padded_rows(rows: torch.Tensor, block: int) -> torch.Tensor:
     out = torch.zeros(rows.shape[0], width, dtype=rows.dtype, device=rows.device)
     out[:, :cols].copy_(rows)
     return out
+
+
+def _quantize_shards(
+    flat: torch.Tensor, widths: Sequence[int], world: int
+) -> tuple[torch.Tensor, Decode]:
+    """qwZ's payload of this rank's concatenated shards (widths ``widths``): each shard quantized
+    on its own (int8, blocks of :func:`block_size` of its width, never spanning two shards, so
+    a parameter's gathered value does not depend on which others share its collective), the
+    shards of one block size in one call; and the decoder of the gathered payloads into a plain
+    gather's ``world x sum(widths)`` rows."""
+    by_block: dict[int, list[int]] = {}
+    for index, width in enumerate(widths):
+        by_block.setdefault(block_size(width), []).append(index)
+    starts = [0]
+    for width in widths:
+        starts.append(starts[-1] + width)
+    parts, layout = [], []
+    for block, indices in sorted(by_block.items(), reverse=True):
+        shards = [flat[starts[i] : starts[i + 1]].view(1, -1) for i in indices]
+        padded = torch.cat([_padded_rows(shard, block) for shard in shards], dim=1)
+        packed, code_bytes = _pack(padded, 8, block)
+        parts.append(packed.view(-1))
+        layout.append((block, indices, packed.numel(), code_bytes))
+    dtype = flat.dtype
+
+    def decode(raw: torch.Tensor) -> torch.Tensor:
+        rows = raw.view(world, -1)
+        columns: list[torch.Tensor | None] = [None] * len(widths)
+        offset = 0
+        for block, indices, nbytes, code_bytes in layout:
+            values = _unpack_rows(rows[:, offset : offset + nbytes], code_bytes, 8, block, dtype)
+            offset += nbytes
+            column = 0
+            for i in indices:
+                columns[i] = values[:, column : column + widths[i]]
+                column += -(-widths[i] // block) * block
+        return torch.cat([c for c in columns if c is not None], dim=1).view(-1)
+
+    payload = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return payload, decode
 
 
 class _Reduced:
@@ -218,17 +259,10 @@ class WeightComm:
             output = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=device)
             work = ds_comm.all_gather_into_tensor(output, flat, group=self.group, async_op=True)
             return work, output, None
-        numel, dtype = flat.numel(), flat.dtype
-        block = block_size(numel)
-        payload, code_bytes = _pack(_padded_rows(flat.view(1, -1), block), 8, block)
-        payload = payload.view(-1)
+        widths = [p.ds_tensor.numel() for p in params]
+        payload, decode = _quantize_shards(flat, widths, self.world_size)
         output = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=device)
         work = ds_comm.all_gather_into_tensor(output, payload, group=self.group, async_op=True)
-
-        def decode(raw: torch.Tensor) -> torch.Tensor:
-            rows = _unpack_rows(raw.view(self.world_size, -1), code_bytes, 8, block, dtype)
-            return rows[:, :numel].contiguous().view(-1)
-
         return work, output, decode
 
     def _from_secondary(
