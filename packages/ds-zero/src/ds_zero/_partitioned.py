@@ -395,6 +395,11 @@ class ParamPartitioner:
             self._children[id(group)] = child
         return child
 
+    def live_numel(self) -> int:
+        """Elements of non-persistent parameters gathered now, this partitioner's and its
+        subgroups' (what ``stage3_max_live_parameters`` caps)."""
+        return self.gathered_numel + sum(c.live_numel() for c in self._children.values())
+
     def owns(self, p: torch.Tensor) -> bool:
         """True when ``p`` was partitioned by this partitioner or one of its subgroups'."""
         owner = getattr(p, "ds_partitioner", None)

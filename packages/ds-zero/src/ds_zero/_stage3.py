@@ -453,7 +453,7 @@ class Stage3Hooks:
             return None
         assert self.trace is not None
         budget = self.prefetch_bucket_size
-        live_room = self.max_live_parameters - self.partitioner.gathered_numel
+        live_room = self.max_live_parameters - self.partitioner.live_numel()
         chosen: list[torch.nn.Parameter] = []
         seen: set[int] = set()
         total = 0
