@@ -381,3 +381,16 @@ def test_alst_pieces_import_and_refuse_by_name() -> None:
     for name in ("UlyssesSPAttentionHF", "TiledMLP", "TiledFusedLogitsLoss"):
         with pytest.raises(NotImplementedError, match=f"ulysses_sp.{name} .*not implemented"):
             getattr(ulysses_sp, name)()
+
+
+def test_sequence_parallel_loss_in_one_process_is_the_loss() -> None:
+    import torch
+
+    from ds_engine.sequence import sequence_parallel_loss
+
+    loss = torch.tensor(2.5, requires_grad=True)
+    out = sequence_parallel_loss(loss, 3, None)
+    out.backward()
+    assert float(out) == 2.5 and loss.grad is not None and float(loss.grad) == 1.0
+    with pytest.raises(ValueError, match="expected a scalar loss tensor"):
+        sequence_parallel_loss(torch.ones(2), 3, None)

@@ -44,7 +44,9 @@ def sequence_parallel_loss(loss: Tensor, num_tokens: Tensor | int, group: Any) -
             when ``num_tokens`` is 0: it is then left out).
         num_tokens: the tokens that mean is over (e.g. ``(shift_labels != -100).sum()``).
         group: the sequence-parallel group (``engine.seq_parallel_group``,
-            ``groups._get_sequence_parallel_group()``).
+            ``groups._get_sequence_parallel_group()``). ``None`` is every rank, as in
+            ``torch.distributed`` (the engine's group is None when sequence parallelism is
+            off: pass it only when ``engine.sequence_parallel_size > 1``).
 
     Returns:
         ``sum(loss_r * tokens_r) / sum(tokens_r)`` over the group (0 when no rank has a token).
@@ -63,6 +65,8 @@ def sequence_parallel_loss(loss: Tensor, num_tokens: Tensor | int, group: Any) -
             f"sequence_parallel_loss(loss): expected a scalar loss tensor, got "
             f"{tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__}"
         )
+    if not ds_comm.is_initialized():  # one process: its loss is the sequence's loss
+        return loss.reshape(())
     count = torch.as_tensor(num_tokens, device=loss.device).reshape(()).to(loss.dtype)
     local = torch.where(count > 0, loss.reshape(()) * count, torch.zeros_like(loss.reshape(())))
     total = _SumOverGroup.apply(local, group)
