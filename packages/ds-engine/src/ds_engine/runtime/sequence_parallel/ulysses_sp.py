@@ -1,7 +1,8 @@
 """``deepspeed.runtime.sequence_parallel.ulysses_sp``: ``UlyssesSPDataLoaderAdapter``.
 
-The rest of DeepSpeed's ALST module (the Hugging Face attention hook, tiled MLP and tiled loss)
-is importable and refused when used.
+The rest of DeepSpeed's ALST module (the Hugging Face attention hook, tiled MLP and tiled loss,
+the compilable all-to-all's group registration) is importable and refused when used; ``logger``
+is DeepSpeed's logger.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any, NoReturn
 
 from ds_engine._not_implemented import not_implemented
 from ds_engine.sequence._loader import UlyssesSPDataLoaderAdapter
+from ds_engine.utils.logging import logger
 
 __all__ = [
     "AutogradComputeMLP",
@@ -18,6 +20,8 @@ __all__ = [
     "TiledMLP",
     "UlyssesSPAttentionHF",
     "UlyssesSPDataLoaderAdapter",
+    "logger",
+    "register_all_to_all_group",
     "sequence_tiled_compute",
 ]
 
@@ -45,3 +49,6 @@ SequenceTiledCompute = not_implemented(f"{_PATH}.SequenceTiledCompute", "ALST's 
 sequence_tiled_compute = not_implemented(f"{_PATH}.sequence_tiled_compute", "ALST's tiled compute")
 TiledFusedLogitsLoss = not_implemented(f"{_PATH}.TiledFusedLogitsLoss", "ALST's tiled loss")
 AutogradComputeMLP = not_implemented(f"{_PATH}.AutogradComputeMLP", "ALST's tiled MLP")
+register_all_to_all_group = not_implemented(
+    f"{_PATH}.register_all_to_all_group", "the compilable all-to-all op of DeepSpeed's layer"
+)
