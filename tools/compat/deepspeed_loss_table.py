@@ -3,7 +3,8 @@
 Run it with ds's dev environment (real DeepSpeed at ``/tmp/dsref`` for ``--round-trips`` and
 ``--universal``)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/compat/deepspeed_loss_table.py [--round-trips] [--universal]
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compat/deepspeed_loss_table.py [--round-trips] \
+        [--write] [--universal] [--skip-resume]
 
 1. DeepSpeed -> ds: every checkpoint real DeepSpeed 0.19.8 wrote
    (``packages/ds-engine/tests/fixtures/deepspeed_0.19.8``, ZeRO stage 0-3 x fp32/bf16/fp16 x
@@ -15,7 +16,11 @@ Run it with ds's dev environment (real DeepSpeed at ``/tmp/dsref`` for ``--round
 2. ``--round-trips``: DeepSpeed (W ranks) -> ds (3 - W ranks, one step, then
    ``save_deepspeed_checkpoint``) -> DeepSpeed (W ranks, two steps), ZeRO stages 1-3; the three
    losses after the checkpoint against DeepSpeed's own resume.
-3. ``--universal``: ds (W ranks, stage S) -> ``ds-to-universal`` -> DeepSpeed with
+3. ``--write``: ds (W ranks, stage S) -> ``save_deepspeed_checkpoint`` for DeepSpeed (W', S')
+   -> DeepSpeed (two steps): every case of ``tests/test_deepspeed_write.py`` (stages 0-3,
+   param groups, bf16/fp16, pipelines of one and two stages, MoE at stages 0-2 with one or
+   several ``ep_size``), ds's next two losses against DeepSpeed's.
+4. ``--universal``: ds (W ranks, stage S) -> ``ds-to-universal`` -> DeepSpeed with
    ``checkpoint.load_universal`` (other W, S); DeepSpeed's 3 losses against the uninterrupted ds
    run's.
 
@@ -152,6 +157,32 @@ def table_round_trips() -> bool:
     return ok
 
 
+def table_write(only: str | None = None) -> bool:
+    test = _module("test_deepspeed_write", TESTS / "test_deepspeed_write.py")
+    print("\n### ds -> save_deepspeed_checkpoint -> DeepSpeed (next 2 losses)\n")
+    head = ["model", "dtype", "ds (ranks, stage)", "DeepSpeed (ranks, stage)"]
+    head += ["ds continued", "DeepSpeed resumed", "max abs diff"]
+    print(_row(head))
+    print(_row(["---"] * len(head)))
+    cases = [("net", "fp32", (w, s), (3 - w, s)) for s, w in test._RESUME] + test._VARIANTS
+    if only:
+        cases = [c for c in cases if any(c[0].startswith(m) for m in only.split(","))]
+    ok = True
+    for model, dtype, ds, deepspeed in cases:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                got = test.check_deepspeed_resumes(
+                    Path(tmp), model, dtype, ds=ds, deepspeed=deepspeed
+                )
+                verdict = f"{got['diff']:.1e}"
+                cells = [_losses(got["ds"]), _losses(got["deepspeed"]), verdict]
+            except AssertionError as exc:
+                ok = False
+                cells = ["", "", f"FAIL {str(exc)[:200]}"]
+        print(_row([model, dtype, str(ds), str(deepspeed), *cells]))
+    return ok
+
+
 def table_universal() -> bool:
     test = _module("test_universal", TESTS / "test_universal.py")
     print("\n### ds -> ds-to-universal -> DeepSpeed `load_universal` (next 3 losses)\n")
@@ -180,6 +211,10 @@ def table_universal() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--round-trips", action="store_true", help="DeepSpeed -> ds -> DeepSpeed")
+    parser.add_argument(
+        "--write", action="store_true", help="ds -> DeepSpeed's layout -> DeepSpeed"
+    )
+    parser.add_argument("--only", default=None, help="--write: models starting so (a,b,...)")
     parser.add_argument("--universal", action="store_true", help="ds -> universal -> DeepSpeed")
     parser.add_argument("--skip-resume", action="store_true", help="no DeepSpeed -> ds table")
     args = parser.parse_args()
@@ -188,6 +223,8 @@ def main() -> None:
         ok = table_deepspeed_to_ds() and ok
     if args.round_trips:
         ok = table_round_trips() and ok
+    if args.write:
+        ok = table_write(args.only) and ok
     if args.universal:
         ok = table_universal() and ok
     sys.exit(0 if ok else 1)

@@ -12,7 +12,10 @@ averaged over the global batch, the first step, the client state and the learnin
 
 ``--model``: ``net`` (the fixtures' MLP, one param group), ``groups`` (the same MLP with weights
 and biases in two param groups of different weight decay, see :func:`param_groups`), ``pipe``
-(the one-stage ``PipelineModule``) or ``moe`` (the MoE model, ``ep_size`` = world size).
+(the one-stage ``PipelineModule``), ``pipe2`` (the same layers in two pipeline stages, one
+data-parallel rank each), ``moe`` (the MoE model, ``ep_size`` = world size), ``moe-ep1`` (the
+same at ``ep_size`` 1) or ``moe-multi`` (two MoE layers at ``ep_size`` 1 and 2, expert groups
+in module order, see ``make_deepspeed_checkpoints.moe_param_groups``).
 
 This script is not imported by ds; ds's tests run it (``tests/test_deepspeed_write.py``).
 """
@@ -36,7 +39,7 @@ assert _spec is not None and _spec.loader is not None
 maker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(maker)
 
-MODELS = ("net", "groups", "pipe", "moe")
+MODELS = ("net", "groups", "pipe", "pipe2", "moe", "moe-ep1", "moe-multi")
 CLIENT_KEYS = ("epoch", "note", "ids")
 
 
@@ -54,17 +57,21 @@ def build(model: str, stage: int, dtype: str, world: int):
     """A fresh DeepSpeed engine for ``model``, seeded away from the checkpoint's values."""
     import deepspeed
 
-    cfg = maker.config(stage, dtype, world)
+    # pipe2: one data-parallel rank, so the whole global batch is one micro-batch
+    cfg = maker.config(stage, dtype, 1 if model == "pipe2" else world)
     torch.manual_seed(99)
-    if model == "pipe":
-        module = maker._pipe_model()
+    if model in ("pipe", "pipe2"):
+        module = maker._pipe_model(num_stages=2 if model == "pipe2" else 1)
         params: Any = module.parameters()
-    elif model == "moe":
+    elif model.startswith("moe"):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-        module = maker.MoENet(ep_size=world)
-        params = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(module.parameters()), "name": "params"}
+        if model == "moe-multi":
+            module = maker.MultiMoENet()
+        else:
+            module = maker.MoENet(ep_size=1 if model == "moe-ep1" else world)
+        params = maker.moe_param_groups(
+            module, split_params_into_different_moe_groups_for_optimizer
         )
     else:
         module = maker.Net()
@@ -74,11 +81,12 @@ def build(model: str, stage: int, dtype: str, world: int):
 
 
 def _train(engine, model: str, first: int, steps: int, rank: int, world: int, dtype: str):
-    if model != "pipe":
+    if not model.startswith("pipe"):
         return maker._steps(engine, first, steps, rank, world, dtype)
     losses = []
+    dp_rank, dp_world = (0, 1) if model == "pipe2" else (rank, world)
     for step in range(first, first + steps):
-        data = iter([maker.batch(step, rank, world)])
+        data = iter([maker.batch(step, dp_rank, dp_world)])
         losses.append(maker._mean(engine.train_batch(data_iter=data), world))
     return losses
 

@@ -160,7 +160,7 @@ def run_zero_case(out: Path, stage: int, dtype: str, rank: int, world: int) -> d
     }
 
 
-def _pipe_model():
+def _pipe_model(num_stages: int = 1):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     def loss_fn(out, y):
@@ -173,7 +173,10 @@ def _pipe_model():
         torch.nn.Tanh(),
         LayerSpec(torch.nn.Linear, MID, OUT),
     ]
-    return PipelineModule(layers=layers, num_stages=1, loss_fn=loss_fn)
+    # "uniform": one layer boundary whatever the parameter counts (ds's tests cut the same way)
+    return PipelineModule(
+        layers=layers, num_stages=num_stages, loss_fn=loss_fn, partition_method="uniform"
+    )
 
 
 def run_pipe_case(out: Path, rank: int, world: int) -> dict:
@@ -236,6 +239,38 @@ class MoENet(torch.nn.Module):
         h = torch.tanh(self.fc1(x))
         h, _, _ = self.moe(h)
         return ((self.fc3(torch.tanh(h)).float() - y.float()) ** 2).mean()
+
+
+class MultiMoENet(torch.nn.Module):
+    """fc1, an MoE layer of two experts at ``ep_size`` 1, one of four experts at ``ep_size`` 2
+    (top-1 gates), fc3: two expert param groups (``ep_size_1``, ``ep_size_2``)."""
+
+    def __init__(self) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, MID)
+        self.moe_a = MoE(MID, torch.nn.Linear(MID, MID), num_experts=2, ep_size=1, k=1)
+        self.moe_b = MoE(MID, torch.nn.Linear(MID, MID), num_experts=4, ep_size=2, k=1)
+        self.fc3 = torch.nn.Linear(MID, OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.moe_a(h)[0])
+        h = torch.tanh(self.moe_b(h)[0])
+        return ((self.fc3(h).float() - y.float()) ** 2).mean()
+
+
+def moe_param_groups(model: torch.nn.Module, split) -> list[dict]:
+    """``split`` (DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``) of all
+    of ``model``'s parameters, the expert groups put in the order their first parameter has in
+    ``model.parameters()``: DeepSpeed orders several ``ep_size`` groups by iterating a set, which
+    changes with the interpreter's hash seed; ds keeps module order."""
+    groups = split({"params": list(model.parameters()), "name": "params"})
+    first = {id(p): i for i, p in enumerate(model.parameters())}
+    dense = [g for g in groups if not g.get("moe")]
+    experts = sorted((g for g in groups if g.get("moe")), key=lambda g: first[id(g["params"][0])])
+    return dense + experts
 
 
 def moe_case_name(stage: int, world: int) -> str:

@@ -94,8 +94,9 @@ def pipe_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out.float() - y.float()) ** 2).mean()
 
 
-def build_pipe_engine(cfg: dict[str, Any], seed: int = 99):
-    """The fixture's one-stage ``PipelineModule`` (Linear, Tanh, Linear, Tanh, Linear)."""
+def build_pipe_engine(cfg: dict[str, Any], seed: int = 99, num_stages: int = 1):
+    """The fixture's ``PipelineModule`` (Linear, Tanh, Linear, Tanh, Linear), one stage or cut
+    uniformly into ``num_stages``."""
     import ds_engine as deepspeed
     from ds_engine.pipe import LayerSpec, PipelineModule
 
@@ -107,17 +108,24 @@ def build_pipe_engine(cfg: dict[str, Any], seed: int = 99):
         torch.nn.Tanh(),
         LayerSpec(torch.nn.Linear, MID, OUT),
     ]
-    model = PipelineModule(layers=layers, num_stages=1, loss_fn=pipe_loss)
+    model = PipelineModule(
+        layers=layers, num_stages=num_stages, loss_fn=pipe_loss, partition_method="uniform"
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
 
-def train_pipe(engine, first: int, count: int, rank: int, world: int) -> list[float]:
+def train_pipe(
+    engine, first: int, count: int, rank: int, world: int, data: tuple[int, int] | None = None
+) -> list[float]:
+    """``count`` pipeline batches; ``data`` = (rank, ranks) of the batch split (default: this
+    rank's share of ``world``; ``(0, 1)`` for a pipeline with one data-parallel rank)."""
     import ds_comm
 
+    data_rank, data_world = data or (rank, world)
     losses = []
     for step in range(first, first + count):
-        loss = engine.train_batch(data_iter=iter([batch(step, rank, world)]))
+        loss = engine.train_batch(data_iter=iter([batch(step, data_rank, data_world)]))
         value = loss.detach().float().clone()
         ds_comm.all_reduce(value)
         losses.append(value.item() / world)
@@ -142,12 +150,34 @@ class MoENet(torch.nn.Module):
         return ((self.fc3(torch.tanh(h)).float() - y.float()) ** 2).mean()
 
 
-def build_moe_engine(cfg: dict[str, Any], world: int, seed: int = 99):
+class MultiMoENet(torch.nn.Module):
+    """The resume script's two MoE layers: two experts at ``ep_size`` 1, four at ``ep_size`` 2."""
+
+    def __init__(self) -> None:
+        from ds_engine.moe.layer import MoE
+
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, MID)
+        self.moe_a = MoE(MID, torch.nn.Linear(MID, MID), num_experts=2, ep_size=1, k=1)
+        self.moe_b = MoE(MID, torch.nn.Linear(MID, MID), num_experts=4, ep_size=2, k=1)
+        self.fc3 = torch.nn.Linear(MID, OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.moe_a(h)[0])
+        h = torch.tanh(self.moe_b(h)[0])
+        return ((self.fc3(h).float() - y.float()) ** 2).mean()
+
+
+def build_moe_engine(
+    cfg: dict[str, Any], world: int, seed: int = 99, *, ep_size: int | None = None, multi=False
+):
+    """The MoE model (``ep_size`` default: the world size), or :class:`MultiMoENet`."""
     import ds_engine as deepspeed
     from ds_engine.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     torch.manual_seed(seed)
-    model = MoENet(ep_size=world)
+    model = MultiMoENet() if multi else MoENet(ep_size=ep_size or world)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "params"}
     )

@@ -61,13 +61,18 @@ def _config(stage: int, dtype: str, world: int) -> dict[str, Any]:
 
 
 def _engine(model: str, stage: int, dtype: str, world: int, seed: int = 0):
+    """``model``: one of ``deepspeed_resume.py``'s models (``pipe2``: two stages, one
+    data-parallel rank, so the config is the one-rank one)."""
     import ds_engine
 
-    cfg = _config(stage, dtype, world)
-    if model == "pipe":
-        return fx.build_pipe_engine(cfg, seed=seed)
-    if model == "moe":
-        return fx.build_moe_engine(cfg, world, seed=seed)
+    cfg = _config(stage, dtype, 1 if model == "pipe2" else world)
+    if model in ("pipe", "pipe2"):
+        return fx.build_pipe_engine(cfg, seed=seed, num_stages=2 if model == "pipe2" else 1)
+    if model.startswith("moe"):
+        ep_size = 1 if model == "moe-ep1" else world
+        return fx.build_moe_engine(
+            cfg, world, seed=seed, ep_size=ep_size, multi=model == "moe-multi"
+        )
     torch.manual_seed(seed)
     net = fx.Net()
     params = _groups(net) if model == "groups" else net.parameters()
@@ -76,8 +81,9 @@ def _engine(model: str, stage: int, dtype: str, world: int, seed: int = 0):
 
 
 def _train(engine, model: str, first: int, count: int, rank: int, world: int, dtype: str):
-    if model == "pipe":
-        return fx.train_pipe(engine, first, count, rank, world)
+    if model in ("pipe", "pipe2"):
+        data = (0, 1) if model == "pipe2" else None
+        return fx.train_pipe(engine, first, count, rank, world, data)
     return fx.train(engine, first, count, rank, world, dtype)
 
 
@@ -163,6 +169,22 @@ _VARIANTS = [
     ("pipe", "fp32", (2, 1), (1, 1)),
     ("pipe", "fp32", (1, 0), (2, 0)),
     ("moe", "fp32", (2, 0), (2, 0)),
+    # MoE at ZeRO 1-2 (experts partitioned over their expert-data-parallel group), another
+    # stage than ds ran, ep_size 1 and two layers of different ep_size (see
+    # [Note: DeepSpeed's MoE checkpoint]); the world stays 2: a rank's expert capacity depends
+    # on its share of the batch, so another world size routes tokens differently.
+    ("moe", "fp32", (2, 2), (2, 2)),
+    ("moe", "fp32", (2, 1), (2, 1)),
+    ("moe", "fp32", (2, 0), (2, 2)),
+    ("moe-ep1", "fp32", (2, 2), (2, 1)),
+    ("moe-multi", "fp32", (2, 0), (2, 0)),
+    ("moe-multi", "fp32", (2, 2), (2, 2)),
+    ("moe-multi", "fp32", (2, 1), (2, 2)),
+    ("moe", "fp32", (2, 3), (2, 2)),  # ds's ZeRO-3 MoE (DeepSpeed runs MoE at 0-2 only)
+    ("moe-multi", "fp32", (2, 3), (2, 1)),
+    # two pipeline stages on two ranks (one data-parallel rank each)
+    ("pipe2", "fp32", (2, 1), (2, 1)),
+    ("pipe2", "fp32", (2, 0), (2, 0)),
 ]
 
 
@@ -191,7 +213,12 @@ _STRUCTURE = [
     ("zero3_fp16_w2", "net"),
     ("pipe_w2", "pipe"),
     ("moe_w2", "moe"),
+    ("moe_zero2_w2", "moe"),
 ]
+
+# (model, ds stage): ds saves its own checkpoint and writes DeepSpeed's layout from the engine;
+# ``ds-to-deepspeed`` must write the same files from the saved checkpoint.
+_CLI_LAYOUTS = [("pipe2", 1), ("moe-multi", 2), ("moe", 0)]
 
 
 def _structure_body(rank: int, world: int, out: str) -> None:
@@ -204,6 +231,11 @@ def _structure_body(rank: int, world: int, out: str) -> None:
         engine = _engine(model, stage, dtype, world)
         _train(engine, model, 0, 3, rank, world, dtype)
         save_deepspeed_checkpoint(engine, Path(out) / name, tag="step3", client_state=CLIENT)
+    for model, stage in _CLI_LAYOUTS:
+        engine = _engine(model, stage, "fp32", world)
+        _train(engine, model, 0, 3, rank, world, "fp32")
+        engine.save_checkpoint(str(Path(out) / f"native_{model}"), client_state=CLIENT)
+        save_deepspeed_checkpoint(engine, Path(out) / f"engine_{model}", client_state=CLIENT)
     engine = _engine("groups", 1, "fp32", world)
     _train(engine, "groups", 0, 3, rank, world, "fp32")
     engine.save_checkpoint(str(Path(out) / "ds_native"), client_state=CLIENT)
@@ -315,6 +347,34 @@ def test_cli_writes_what_the_engine_writes(written: Path, tmp_path: Path) -> Non
     assert ours["mp_rank_00_model_states.pt"]["epoch"] == CLIENT["epoch"]
 
 
+def _cli(*args: str) -> None:
+    """``ds-to-deepspeed <args>``, in this process (the console script's ``main``)."""
+    from ds_engine.checkpoint.ds_to_deepspeed import main
+
+    assert main(list(args)) == 0
+
+
+@pytest.mark.parametrize(("model", "stage"), _CLI_LAYOUTS, ids=[m for m, _ in _CLI_LAYOUTS])
+def test_cli_converts_pipeline_and_moe(
+    written: Path, tmp_path: Path, model: str, stage: int
+) -> None:
+    """``ds-to-deepspeed`` on a ds checkpoint of a two-stage pipeline or an MoE model (two
+    layers of ep_size 1 and 2 at ZeRO-2; ep_size 2 at ZeRO-0) writes, tensor for tensor, the
+    files ``save_deepspeed_checkpoint`` wrote from the engine that saved it."""
+    out = tmp_path / "converted"
+    world = 1 if model == "pipe2" else 2
+    config = _config_file(tmp_path, world, "fp32", stage)
+    _cli(str(written / f"native_{model}"), str(out), "--config", str(config))
+    ours = _tensors(out / "global_step3")
+    engines = _tensors(written / f"engine_{model}" / "global_step3")
+    for state in (*ours.values(), *engines.values()):
+        if isinstance(state, dict):
+            state.pop("ds_config", None)
+            if isinstance(state.get("optimizer_state_dict"), dict):
+                state["optimizer_state_dict"].pop("ds_config", None)
+    _assert_same(ours, engines, "files")
+
+
 def _config_file(tmp_path: Path, world: int, dtype: str, stage: int) -> Path:
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(_config(stage, dtype, world)))
@@ -331,6 +391,24 @@ def test_cli_refuses_what_it_cannot_convert(written: Path, tmp_path: Path) -> No
         convert_to_deepspeed(written / "ds_native", tmp_path / "b", param_groups=["weight$", "x"])
     with pytest.raises(DeepSpeedCheckpointError, match=r"no zero/manifest\.json"):
         convert_to_deepspeed(fx.FIXTURES / "zero1_fp32_w2", tmp_path / "c")
+    with pytest.raises(
+        DeepSpeedCheckpointError, match=r"pipeline engine runs at ZeRO stage 0 or 1"
+    ):
+        convert_to_deepspeed(written / "native_pipe2", tmp_path / "d", stage=2)
+    with pytest.raises(DeepSpeedCheckpointError, match=r"does not run MoE models at ZeRO stage 3"):
+        convert_to_deepspeed(written / "native_moe", tmp_path / "e", stage=3)
+    with pytest.raises(
+        DeepSpeedCheckpointError, match=r"not a multiple of the MoE layers' ep_size"
+    ):
+        convert_to_deepspeed(written / "native_moe", tmp_path / "f", world_size=3)
+    # a ds ZeRO-3 MoE checkpoint (manifest format): which layer has which ep_size is not recorded
+    z3 = tmp_path / "z3" / "step3"
+    (z3 / "zero").mkdir(parents=True)
+    for file in (fx.FIXTURES / "moe_w2" / "step3").glob("*model_states.pt"):
+        (z3 / file.name).write_bytes(file.read_bytes())
+    (z3 / "zero" / "manifest.json").write_text("{}")
+    with pytest.raises(DeepSpeedCheckpointError, match=r"saved at ZeRO stage 3.*save_deepspeed"):
+        convert_to_deepspeed(z3, tmp_path / "g")
 
 
 def _native_body(rank: int, world: int, model: str, stage: int, dtype: str, out: str):
@@ -358,3 +436,26 @@ def test_deepspeed_resumes_what_the_cli_converted(tmp_path: Path) -> None:
     assert result["first_step"] == 3 and result["client_state"] == CLIENT
     diff = max(abs(a - b) for a, b in zip(continued, result["losses"]))
     assert diff <= TOLERANCE["bf16"], (continued, result["losses"], diff)
+
+
+_CLI_RESUME = [("pipe2", 1), ("moe-multi", 2), ("moe", 1)]
+
+
+@_needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "stage"), _CLI_RESUME, ids=[m for m, _ in _CLI_RESUME])
+def test_deepspeed_resumes_cli_converted_pipeline_and_moe(
+    model: str, stage: int, tmp_path: Path
+) -> None:
+    """A ds checkpoint of a two-stage pipeline (ZeRO-1) or an MoE model (two layers of ep_size
+    1 and 2 at ZeRO-2; ep_size 2 at ZeRO-1) on 2 ranks, converted by ``ds-to-deepspeed``,
+    resumes in DeepSpeed on 2 ranks on ds's trajectory (fp32: within 1e-6)."""
+    saved, out = tmp_path / "ds", tmp_path / "for_deepspeed"
+    continued = run_on_ranks(_native_body, 2, model, stage, "fp32", str(saved), timeout=240)[0]
+    world = 1 if model == "pipe2" else 2
+    config = _config_file(tmp_path, world, "fp32", stage)
+    _cli(str(saved), str(out), "--config", str(config))
+    result = deepspeed_resume(out, model, 2, stage, "fp32")
+    assert result["first_step"] == 3 and result["client_state"] == CLIENT
+    diff = max(abs(a - b) for a, b in zip(continued, result["losses"]))
+    assert diff <= TOLERANCE["fp32"], (continued, result["losses"], diff)

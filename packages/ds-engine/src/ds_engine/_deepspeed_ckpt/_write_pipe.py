@@ -24,7 +24,7 @@ from ds_engine._deepspeed_ckpt._pickle import DeepSpeedCheckpointError, save_fil
 from ds_engine._deepspeed_ckpt._write_stage0 import stage0_optimizer
 from ds_engine._deepspeed_ckpt._write_state import gather_state
 
-__all__ = ["is_pipeline", "write_pipeline"]
+__all__ = ["check_pipeline_target", "is_pipeline", "write_pipeline"]
 
 
 def is_pipeline(engine: Any) -> bool:
@@ -46,6 +46,22 @@ def _layers(module: Any, root: Path) -> list[tuple[Path, dict]]:
     return out
 
 
+def check_pipeline_target(stage: int, dtype: str | None) -> None:
+    """Refuse what DeepSpeed's pipeline engine cannot resume (see [Note: DeepSpeed's pipeline
+    checkpoint])."""
+    if stage > 1:
+        raise DeepSpeedCheckpointError(
+            f"stage={stage}: DeepSpeed's pipeline engine runs at ZeRO stage 0 or 1 only; "
+            "write the pipeline checkpoint with stage=1"
+        )
+    if stage == 0 and dtype == "bf16":
+        raise DeepSpeedCheckpointError(
+            "a bf16 pipeline at ZeRO stage 0 is DeepSpeed's BF16_Optimizer, whose checkpoint "
+            "DeepSpeed 0.19 cannot load back; write it with stage=1 (and train DeepSpeed at "
+            "zero_optimization.stage 1)"
+        )
+
+
 def write_pipeline(
     engine: Any, root: Path, *, world: int, stage: int, client: dict[str, Any]
 ) -> None:
@@ -59,17 +75,7 @@ def write_pipeline(
     )
 
     dtype = low_precision(engine)
-    if stage > 1:
-        raise DeepSpeedCheckpointError(
-            f"stage={stage}: DeepSpeed's pipeline engine runs at ZeRO stage 0 or 1 only; "
-            "write the pipeline checkpoint with stage=1"
-        )
-    if stage == 0 and dtype == "bf16":
-        raise DeepSpeedCheckpointError(
-            "a bf16 pipeline at ZeRO stage 0 is DeepSpeed's BF16_Optimizer, whose checkpoint "
-            "DeepSpeed 0.19 cannot load back; write it with stage=1 (and train DeepSpeed at "
-            "zero_optimization.stage 1)"
-        )
+    check_pipeline_target(stage, dtype)
     module = engine.module
     state = gather_state(engine, module)
     if state is None:

@@ -32,7 +32,7 @@ from ds_engine._deepspeed_ckpt._pickle import (
 from ds_zero import GatheredParameters, Stage3Optimizer, ZeroOptimizer
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
 __all__ = [
     "GroupState",
@@ -74,7 +74,7 @@ class WriteState:
 
     fp32: dict[str, torch.Tensor]
     moments: dict[str, dict[str, torch.Tensor]]
-    shapes: OrderedDict[str, torch.Size]
+    shapes: Mapping[str, tuple[int, ...]]
     groups: list[GroupState]
     scaler: LossScalerState
     cur_iter: int

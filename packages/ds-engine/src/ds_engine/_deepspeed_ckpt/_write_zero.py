@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,14 +32,9 @@ from ds_engine._deepspeed_ckpt._pickle import (
 )
 from ds_engine._deepspeed_ckpt._write_state import GroupState, WriteState
 
-__all__ = ["stage12_files", "stage3_files"]
+__all__ = ["PartGroup", "stage12_file", "stage12_files", "stage3_files"]
 
 _ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor (stages 1-2)
-
-
-def _flat(values: dict[str, torch.Tensor], names: list[str], padded: int) -> torch.Tensor:
-    whole = torch.cat([values[n].reshape(-1) for n in names])
-    return torch.nn.functional.pad(whole, (0, padded - whole.numel()))
 
 
 def _step(group: GroupState) -> dict[str, torch.Tensor]:
@@ -53,62 +49,96 @@ def _header(state: WriteState) -> dict[str, Any]:
     }
 
 
+@dataclass
+class PartGroup:
+    """One param group as one rank's ZeRO-1/2 file holds it.
+
+    Attributes:
+        labels: the members' names in the file (``param_slice_mappings``), in flat order.
+        fp32: each member's whole fp32 master, flat (same order).
+        moments: each elementwise state key's whole tensors per member (same order).
+        hyper: the group's hyper-parameters.
+        step: the group's ``step`` (None before the first step).
+        parts: the ranks the group is partitioned over (its partition count).
+        index: this rank's partition.
+    """
+
+    labels: list[str]
+    fp32: list[torch.Tensor]
+    moments: dict[str, list[torch.Tensor]]
+    hyper: dict[str, Any]
+    step: torch.Tensor | None
+    parts: int
+    index: int
+
+
+def _slice(group: PartGroup) -> tuple[dict, torch.Tensor, int, OrderedDict]:
+    """``(optimizer state entry, fp32 slice, padding, slice mapping)`` of ``group``'s partition
+    (see [Note: DeepSpeed's ZeRO partitions])."""
+    total = sum(t.numel() for t in group.fp32)
+    unit = _ALIGNMENT * group.parts
+    padded = math.ceil(total / unit) * unit
+    part = padded // group.parts
+    low, high = group.index * part, (group.index + 1) * part
+    padding = padded - total if group.index == group.parts - 1 else 0
+
+    def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        whole = torch.cat([t.reshape(-1) for t in tensors])
+        return torch.nn.functional.pad(whole, (0, padded - whole.numel()))[low:high].clone()
+
+    mapping: OrderedDict[str, FragmentAddress] = OrderedDict()
+    at = 0
+    for label, tensor in zip(group.labels, group.fp32):
+        lo, hi = max(low, at), min(high, at + tensor.numel())
+        if lo < hi:
+            mapping[label] = FragmentAddress(numel=hi - lo, start=lo - low)
+        at += tensor.numel()
+    step = {} if group.step is None else {"step": group.step.clone()}
+    entry = {**step, **{k: flat(v) for k, v in group.moments.items()}}
+    return entry, flat(group.fp32)[: part - padding], padding, mapping
+
+
+def stage12_file(state: WriteState, groups: list[PartGroup], stage: int, version: str) -> dict:
+    """One rank's ``optimizer_state_dict`` of DeepSpeed's stage 1/2 optimizer; ``state`` gives
+    the loss scaler and clipping."""
+    slices = [_slice(g) for g in groups]
+    return {
+        **_header(state),
+        **({} if state.clip is None else {"clip_grad": state.clip}),
+        "base_optimizer_state": {
+            "state": {i: s[0] for i, s in enumerate(slices) if s[0]},
+            "param_groups": [{**g.hyper, "params": [i]} for i, g in enumerate(groups)],
+        },
+        "single_partition_of_fp32_groups": [s[1] for s in slices],
+        "zero_stage": ZeroStage(stage),
+        "group_paddings": [s[2] for s in slices],
+        "param_alignment_paddings": [[0] * len(g.labels) for g in groups],
+        "partition_count": [g.parts for g in groups],
+        "ds_version": version,
+        "param_slice_mappings": [s[3] for s in slices],
+    }
+
+
 def stage12_files(state: WriteState, world: int, stage: int, version: str) -> list[dict]:
     """Rank ``r``'s ``optimizer_state_dict`` of DeepSpeed's stage 1/2 optimizer, for each ``r``
     (see [Note: DeepSpeed's ZeRO partitions])."""
-    per_rank: list[dict[str, list]] = [
-        {"state": [], "fp32": [], "paddings": [], "mappings": [], "align": []} for _ in range(world)
-    ]
-    for g in state.groups:
-        total = sum(state.fp32[n].numel() for n in g.names)
-        padded = math.ceil(total / (_ALIGNMENT * world)) * _ALIGNMENT * world
-        part = padded // world
-        master = _flat(state.fp32, g.names, padded)
-        moments = {
-            key: _flat({n: state.moments[n][key] for n in g.names}, g.names, padded)
-            for key in state.state_keys(g.names)
-        }
-        offsets, at = {}, 0
-        for n in g.names:
-            offsets[n] = (at, at + state.fp32[n].numel())
-            at += state.fp32[n].numel()
-        for r in range(world):
-            low, high = r * part, (r + 1) * part
-            padding = padded - total if r == world - 1 else 0
-            mapping = OrderedDict()
-            for n, (begin, end) in offsets.items():
-                lo, hi = max(low, begin), min(high, end)
-                if lo < hi:
-                    mapping[n] = FragmentAddress(numel=hi - lo, start=lo - low)
-            mine = per_rank[r]
-            mine["state"].append(
-                {**_step(g), **{k: v[low:high].clone() for k, v in moments.items()}}
-            )
-            mine["fp32"].append(master[low : high - padding].clone())
-            mine["paddings"].append(padding)
-            mine["mappings"].append(mapping)
-            mine["align"].append([0] * len(g.names))
     files = []
-    for mine in per_rank:
-        files.append(
-            {
-                **_header(state),
-                **({} if state.clip is None else {"clip_grad": state.clip}),
-                "base_optimizer_state": {
-                    "state": {i: s for i, s in enumerate(mine["state"]) if s},
-                    "param_groups": [
-                        {**g.hyper, "params": [i]} for i, g in enumerate(state.groups)
-                    ],
+    for r in range(world):
+        groups = [
+            PartGroup(
+                labels=list(g.names),
+                fp32=[state.fp32[n] for n in g.names],
+                moments={
+                    k: [state.moments[n][k] for n in g.names] for k in state.state_keys(g.names)
                 },
-                "single_partition_of_fp32_groups": mine["fp32"],
-                "zero_stage": ZeroStage(stage),
-                "group_paddings": mine["paddings"],
-                "param_alignment_paddings": mine["align"],
-                "partition_count": [world] * len(state.groups),
-                "ds_version": version,
-                "param_slice_mappings": mine["mappings"],
-            }
-        )
+                hyper=g.hyper,
+                step=g.step,
+                parts=world,
+                index=r,
+            )
+            for g in state.groups
+        ]
+        files.append(stage12_file(state, groups, stage, version))
     return files
 
 

@@ -22,9 +22,13 @@ layout]). The same layout is written from a live engine by
   its ``gradient_clipping`` and ``fp16`` loss-scaling window and hysteresis go into the files
   and it is stored as ``ds_config``. Without it DeepSpeed keeps its own configured clipping.
 
-Refused, naming the reason: pipeline checkpoints (``pp_rank_*`` files; use
-``save_deepspeed_checkpoint`` on the pipeline engine) and MoE checkpoints (expert files; the
-same), a ds checkpoint without ZeRO shards, and group patterns that leave a parameter out.
+Pipeline checkpoints (``pp_rank_SS_dp_rank_DD_states.pt``: every stage's files, for
+``--world-size`` data-parallel ranks per stage, ZeRO stage 0 or 1) and MoE checkpoints (expert
+files: DeepSpeed's MoE layout at ZeRO stage 0-2, each layer keeping its ``ep_size``; the world
+size must be a multiple of every ``ep_size``) are converted too; their param groups come from
+the files, so ``--param-group`` is not used (see ``_convert_layouts``). Refused, naming the
+reason: a ds checkpoint without ZeRO shards, MoE to ZeRO stage 3 and pipelines to stage 2-3
+(DeepSpeed runs neither), tied pipeline modules, and group patterns that leave a parameter out.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ from ds_engine._deepspeed_ckpt._pickle import DynamicLossScalerState, LossScaler
 from ds_engine._deepspeed_ckpt._write import write_layout
 from ds_engine._deepspeed_ckpt._write_state import GroupState, WriteState
 from ds_engine.api import DeepSpeedConfig
+from ds_engine.checkpoint._convert_layouts import (
+    convert_moe,
+    convert_pipeline,
+    is_moe,
+    is_pipeline,
+)
 
 __all__ = ["convert_to_deepspeed", "main", "parse_arguments"]
 
@@ -85,20 +95,9 @@ def _tag_folder(source: Path, tag: str | None) -> Path:
 
 def _refuse_unsupported(folder: Path) -> None:
     if not (folder / "zero" / "manifest.json").is_file():
-        if any(folder.glob("pp_rank_*_states.pt")):
-            raise DeepSpeedCheckpointError(
-                f"{str(folder)!r} is a ds pipeline checkpoint: converting it offline is not "
-                "implemented; call ds_engine.deepspeed_checkpoint.save_deepspeed_checkpoint on "
-                "the pipeline engine"
-            )
         raise DeepSpeedCheckpointError(
             f"{str(folder)!r} has no zero/manifest.json: not a checkpoint ds's save_checkpoint "
             "wrote (pass the save_dir or its tag folder)"
-        )
-    if any(folder.glob("layer_*_expert_*_model_states.pt")):
-        raise DeepSpeedCheckpointError(
-            f"{str(folder)!r} holds MoE expert files: converting MoE checkpoints offline is not "
-            "implemented; call save_deepspeed_checkpoint on the engine"
         )
 
 
@@ -221,6 +220,10 @@ def convert_to_deepspeed(
         >>> convert_to_deepspeed("ckpts", "ckpts_deepspeed", world_size=8)
     """
     folder = _tag_folder(Path(ds_checkpoint_dir), tag)
+    if not folder.is_dir():
+        raise DeepSpeedCheckpointError(f"{str(folder)!r} is not a checkpoint folder")
+    if is_pipeline(folder) or is_moe(folder):
+        return _convert_layout(folder, Path(out_dir), world_size, stage, config)
     _refuse_unsupported(folder)
     engine = torch.load(
         folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True
@@ -248,6 +251,42 @@ def convert_to_deepspeed(
     client = dict(engine.get("client_state") or {})
     write_layout(root, state, meta, world=world, stage=target, dtype=low, client=client)
     (Path(out_dir) / "latest").write_text(folder.name)
+    return root
+
+
+def _convert_layout(
+    folder: Path,
+    out_dir: Path,
+    world_size: int | None,
+    stage: int | None,
+    config: Mapping[str, Any] | None,
+) -> Path:
+    """A ds pipeline or MoE checkpoint (see ``_convert_layouts``)."""
+    pipeline = is_pipeline(folder)
+    saved_world = world_size
+    if saved_world is None and pipeline:
+        saved_world = len(list(folder.glob("pp_rank_00_dp_rank_*_states.pt")))
+    elif saved_world is None:
+        engine = torch.load(
+            folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True
+        )
+        saved_world = int(engine.get("dp_world_size") or 1)
+    parsed = (
+        None if config is None else DeepSpeedConfig.from_dict(config, dp_world_size=saved_world)
+    )
+    clip = None if parsed is None else float(parsed.gradient_clipping)
+    root = out_dir / folder.name
+    convert = convert_pipeline if pipeline else convert_moe
+    convert(
+        folder,
+        root,
+        world=world_size,
+        stage=stage,
+        config=config,
+        clip=clip,
+        scaler=lambda saved: _scaler(saved, parsed),
+    )
+    (out_dir / "latest").write_text(folder.name)
     return root
 
 
