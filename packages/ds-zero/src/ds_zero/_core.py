@@ -174,6 +174,7 @@ class GradientCore:
         grads = self._master_grads()
         norm = self._global_norm(grads)
         if not math.isfinite(norm):
+            del grads  # freed before zero() allocates the next window's buffers
             return self._skip(norm)
         scale = self.loss_scale
         self._grad_norm = norm / scale
@@ -183,6 +184,7 @@ class GradientCore:
         if combined != 1.0:
             torch._foreach_mul_(grads, 1.0 / combined)
         self._apply(grads)
+        del grads  # as above
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.reducer.zero()

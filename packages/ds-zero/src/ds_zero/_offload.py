@@ -38,6 +38,37 @@ def host_zeros(numel: int, dtype: torch.dtype, *, pin_memory: bool) -> torch.Ten
     return torch.zeros(numel, dtype=dtype, device="cpu")
 
 
+UPLOAD_CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32 on the device at a time
+
+
+def upload_cast(
+    host: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_numel: int = UPLOAD_CHUNK_NUMEL,
+) -> torch.Tensor:
+    """``host.to(device=device, dtype=dtype)`` through one reused device chunk.
+
+    ``Tensor.to`` with both a device and a dtype copies the whole tensor to the device in its
+    own dtype first: an offloaded step would hold a full fp32 copy of the master partition on
+    the device for a moment (4 bytes per parameter at the memory peak). Chunk by chunk, that
+    moment holds ``chunk_numel`` elements; the bytes that cross the bus and the cast on the
+    device are the same. Everything runs on the current stream, so the chunk buffer's reuse is
+    ordered after the cast that read it.
+    """
+    flat = host.reshape(-1)
+    if flat.device.type == torch.device(device).type or flat.numel() <= chunk_numel:
+        return flat.to(device=device, dtype=dtype, non_blocking=True)
+    out = torch.empty(flat.numel(), dtype=dtype, device=device)
+    chunk = torch.empty(chunk_numel, dtype=flat.dtype, device=device)
+    for start in range(0, flat.numel(), chunk_numel):
+        length = min(chunk_numel, flat.numel() - start)
+        piece = chunk.narrow(0, 0, length)
+        piece.copy_(flat.narrow(0, start, length), non_blocking=True)
+        out.narrow(0, start, length).copy_(piece)
+    return out
+
+
 def accepts_fp16_param_groups(optimizer: torch.optim.Optimizer) -> bool:
     """True for optimizers whose ``step`` also writes low-precision copies (``CPUAdam``)."""
     try:

@@ -32,7 +32,13 @@ from ds_zero._checkpoint import FORMAT, resolve_states
 from ds_zero._core import GradientCore
 from ds_zero._gather import gather_partition
 from ds_zero._layout import FlatGroup, build_layout
-from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
+from ds_zero._offload import (
+    StateSwap,
+    accepts_fp16_param_groups,
+    default_swapper,
+    host_zeros,
+    upload_cast,
+)
 from ds_zero._param_access import register_param_owner
 from ds_zero._reduce import GradReducer, ReduceContext
 from ds_zero._shards import ShardLookup, TensorShard
@@ -253,7 +259,9 @@ class ZeroOptimizer(GradientCore):
     # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
 
     def _master_grads(self) -> list[torch.Tensor]:
-        return [self._master_grad(g) for g in self.groups]
+        grads = [self._master_grad(g) for g in self.groups]
+        self.reducer.release_low_precision()  # the fp32 copies above are all the step needs
+        return grads
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         """The L2 norm of every rank's gradients, each element counted once."""
@@ -339,7 +347,7 @@ class ZeroOptimizer(GradientCore):
             if low is not None:
                 source = low[i].to(device=flat.device, non_blocking=True)
             else:
-                source = master.to(device=flat.device, dtype=flat.dtype, non_blocking=True)
+                source = upload_cast(master, flat.dtype, flat.device)
             if not self.config.shard_optimizer_state:
                 flat.copy_(source)
                 continue

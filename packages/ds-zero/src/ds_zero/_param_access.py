@@ -266,6 +266,7 @@ class _FlatBackend(_Backend):
             return master.narrow(0, self.in_partition, self.held)
         if kind == "grad":
             reducer = self.zero.reducer
+            reducer.ensure_allocated()  # freed between steps on an accelerator
             part = reducer.part[self.group.index]
             if part is not None:
                 return part.narrow(0, self.in_partition, self.held)

@@ -14,6 +14,20 @@ layout as soon as its gradients are complete, and land the result where the stag
   units' worth of full gradients at any time.
 - Under ``offload_optimizer``, ``part`` is an fp32 host tensor for stages 1 and 2 (the
   optimizer reads it there); stage 1 copies its reduced shard there instead of into ``full``.
+- Where every group is reduced over one rank there is nothing to reduce or shard, so stage 2
+  keeps no staging buffers: it holds its gradients as stage 1 does (``p.grad`` views into
+  ``full``) or, under ``offload_optimizer``, copies each gradient into its slice of the host
+  ``part`` the moment autograd finishes it (``_land_direct``). A one-GPU run thus holds one
+  low-precision gradient copy, not three (``part``, and two staging buffers of
+  ``reduce_bucket_size`` elements).
+- On an accelerator, a low-precision ``full``/``part`` is freed once the step has taken its
+  fp32 copy (``release_low_precision``) and allocated again by ``zero()``: the optimizer step
+  then holds one gradient copy (fp32), as DeepSpeed's does. On one rank the buffer comes back
+  only at the end of the next backward (``finish``), where the gradients autograd left in
+  ``p.grad`` are moved into it: the start of backward, where the activations peak, holds no
+  gradient buffer, as DeepSpeed's does not. The caching allocator makes the round trip free;
+  on the host it would page-fault every step, so there it is off unless asked for
+  (``release_between_steps``).
 
 [Note: when gradients are reduced]
 DeepSpeed's rule: stage 2 reduces in every micro-batch's backward and accumulates into the
@@ -125,6 +139,8 @@ class GradReducer:
             ``world_size / predivide_factor`` after it (None: the world size, all before); see
             [Note: scaling and casting around the collective].
         comm_dtype: dtype the collectives run in (None: the gradients' dtype).
+        release_between_steps: free low-precision gradient buffers once the step has its fp32
+            copy (None: on accelerators only); see [Note: where gradients live].
     """
 
     def __init__(
@@ -136,17 +152,28 @@ class GradReducer:
         *,
         predivide_factor: float | None = None,
         comm_dtype: torch.dtype | None = None,
+        release_between_steps: bool | None = None,
     ):
         self.groups = list(groups)
         self.config = config
         self.ctx = ctx
         self.contexts = list(group_contexts) if group_contexts else [ctx] * len(self.groups)
+        local = all(c.world_size == 1 for c in self.contexts)
+        # Stage 2 on one rank: nothing to shard (see [Note: where gradients live]).
+        self._shard = bool(config.shard_gradients) and not (local and not ctx.offload)
+        self._direct = self._shard and local  # offload on one rank: land each gradient
+        self._nothing_to_reduce = local and not ctx.offload
+        self._landed: set[tuple[int, int]] = set()  # (unit order, index) landed this window
+        self._landed_now: set[tuple[int, int]] = set()  # ... in this backward
         self.units = sorted((u for g in self.groups for u in g.units), key=lambda u: u.order)
         self._where: dict[torch.Tensor, tuple[FlatUnit, int]] = {
             p: (u, i) for u in self.units for i, p in enumerate(u.params)
         }
         ref = self.groups[0].flat
         self.dtype, self.device = ref.dtype, ref.device
+        if release_between_steps is None:
+            release_between_steps = self.device.type != "cpu"
+        self.release_between_steps = release_between_steps
         world = ctx.world_size
         same = world == 1 or comm_dtype in (None, self.dtype)
         self.queue = CollectiveQueue(
@@ -160,7 +187,7 @@ class GradReducer:
         self.part: list[torch.Tensor | None] = [None] * len(self.groups)
         self._allocate()
         self._staging: _StagingPool | None = None
-        if config.shard_gradients and config.contiguous_gradients:
+        if self._shard and config.contiguous_gradients and not self._direct:
             largest = max(u.padded_numel for u in self.units)
             self._staging = _StagingPool(largest, self.dtype, self.device)
         self._staged: dict[int, torch.Tensor] = {}  # unit order -> staging buffer
@@ -179,16 +206,59 @@ class GradReducer:
 
     def _allocate(self) -> None:
         for g, group in enumerate(self.groups):
-            if not self.config.shard_gradients:
+            if not self._shard:
                 self.full[g] = torch.zeros_like(group.flat)
             if self.ctx.offload:
                 pin = self.ctx.pin_memory
                 self.part[g] = host_zeros(group.partition_numel, torch.float32, pin_memory=pin)
-            elif self.config.shard_gradients:
+            elif self._shard:
                 self.part[g] = torch.zeros(
                     group.partition_numel, dtype=self.dtype, device=self.device
                 )
+        self._released: list[int] = []
         self._alias_grads()
+
+    def release_low_precision(self) -> None:
+        """Free the device gradient buffers of a dtype other than fp32: the step has taken
+        its fp32 copy of them (see [Note: where gradients live]); ``zero()`` (or the next
+        backward) allocates them again. A no-op unless ``release_between_steps``."""
+        if not self.release_between_steps or self.dtype == torch.float32:
+            return
+        self.wait_all()
+        for g in range(len(self.groups)):
+            device_part = self.part[g] is not None and not self.ctx.offload
+            if self.full[g] is None and not device_part:
+                continue
+            self.full[g] = None
+            if device_part:
+                self.part[g] = None
+            self._released.append(g)
+        for p in self._where:
+            p.grad = None  # views into the freed buffers
+
+    @property
+    def _lazy(self) -> bool:
+        """Whether freed buffers come back only at the end of the next backward (one rank)."""
+        return self._nothing_to_reduce and self.release_between_steps
+
+    def ensure_allocated(self) -> None:
+        """Bring back freed buffers now (a reader of gradients between steps), holding any
+        gradients autograd left in ``p.grad``."""
+        if self._released:
+            self._reallocate()
+            self._alias_grads()
+
+    def _reallocate(self) -> None:
+        """Allocate (zeroed) what :meth:`release_low_precision` freed."""
+        for g in self._released:
+            group = self.groups[g]
+            if not self._shard:
+                self.full[g] = torch.zeros_like(group.flat)
+            elif not self.ctx.offload:
+                self.part[g] = torch.zeros(
+                    group.partition_numel, dtype=self.dtype, device=self.device
+                )
+        self._released = []
 
     def _alias_grads(self) -> None:
         """Point every ``p.grad`` at its view of ``full`` (stages 0/1), or clear it (stage 2).
@@ -214,10 +284,15 @@ class GradReducer:
     def zero(self) -> None:
         """Zero every gradient (the start of a new accumulation window)."""
         self.wait_all()
-        for t in (*self.full, *self.part):
-            if t is not None:
-                t.zero_()
+        released = set(self._released)
+        for g, (full, part) in enumerate(zip(self.full, self.part)):
+            for t in (full, part):
+                if t is not None and g not in released:
+                    t.zero_()
+        if not self._lazy:
+            self._reallocate()
         self._accumulated = [False] * len(self.units)
+        self._landed.clear()
         self.unreduced = False
         self._alias_grads()
 
@@ -225,7 +300,7 @@ class GradReducer:
         """``(gradient bytes, of which in host memory, staging buffer bytes)``."""
         grads = sum(t.nbytes for t in (*self.full, *self.part) if t is not None)
         host = sum(t.nbytes for t in self.part if t is not None) if self.ctx.offload else 0
-        if self.config.shard_gradients and not self.config.contiguous_gradients:
+        if self._shard and not self.config.contiguous_gradients:
             grads += sum(p.grad.nbytes for p in self._where if p.grad is not None)
         return grads, host, self._staging.nbytes if self._staging is not None else 0
 
@@ -239,10 +314,13 @@ class GradReducer:
     def begin(self, reduce: bool) -> None:
         """Arm the hooks for one backward; ``reduce`` says whether this pass completes the
         accumulation window (stage 2 reduces in every pass)."""
-        reduce = reduce or self.config.shard_gradients
+        reduce = reduce or self._shard
         self._armed, self._reducing = True, reduce
         self._next = 0
-        if not self.config.shard_gradients:
+        self._landed_now.clear()
+        if self._released and not self._lazy:  # a step that raised before zero()
+            self._reallocate()
+        if not self._shard:
             self._alias_grads()
         if reduce:
             self._pending = [len(u.params) for u in self.units]
@@ -264,13 +342,35 @@ class GradReducer:
                 f"parameter {tuple(p.shape)} got a gradient after its bucket was reduced in this "
                 "backward; ZeRO needs one backward per micro-batch (no retain_graph re-runs)"
             )
-        if self.config.shard_gradients and self._staging is not None:
+        if self._direct:
+            self._land_direct(unit, index, p)
+            return
+        if self._nothing_to_reduce:
+            return  # one rank: the gradient stays where autograd put it
+        if self._shard and self._staging is not None:
             with self.queue.side.use():
                 self._stage(unit, index, p)
         self._pending[unit.order] -= 1
         while self._next < len(self.units) and self._pending[self._next] == 0:
             self._launch(self.units[self._next])
             self._next += 1
+
+    def _land_direct(self, unit: FlatUnit, index: int, p: torch.Tensor) -> None:
+        """One rank under offload: copy ``p.grad`` into its slice of the host ``part`` and free
+        it. The copy is queued on the compute stream, so the freed gradient's memory is reused
+        only after it; ``wait_all`` synchronizes before the optimizer reads ``part``."""
+        part = self.part[unit.group]
+        grad = p.grad
+        assert part is not None and grad is not None
+        target = unit.in_partition(part).narrow(0, unit.offsets[index], p.numel())
+        key = (unit.order, index)
+        if key in self._landed:  # a later micro-batch of the window: accumulate
+            target.add_(grad.reshape(-1).to(device=target.device, dtype=target.dtype))
+        else:
+            target.copy_(grad.reshape(-1), non_blocking=target.is_pinned())
+            self._landed.add(key)
+        self._landed_now.add(key)
+        p.grad = None
 
     def _stage(self, unit: FlatUnit, index: int, p: torch.Tensor) -> None:
         """Copy ``p.grad`` into its unit's staging buffer and free it (contiguous gradients)."""
@@ -298,9 +398,14 @@ class GradReducer:
         if not self._armed:
             return
         try:
-            if self._reducing:
+            if self._direct:
+                self._check_unused(
+                    [p for p, (u, i) in self._where.items() if (u.order, i) not in self._landed_now]
+                )
+            elif self._reducing and not self._nothing_to_reduce:
                 self._launch_leftovers()
             self.wait_all()
+            self.ensure_allocated()  # one rank after a step: the gradients move in now
             if self._reducing:
                 self.unreduced = False
         finally:
@@ -329,6 +434,12 @@ class GradReducer:
             for i, p in enumerate(u.params)
             if self._is_missing(u, i)
         ]
+        self._check_unused(missing)
+        while self._next < len(self.units):
+            self._launch(self.units[self._next])
+            self._next += 1
+
+    def _check_unused(self, missing: Sequence[torch.Tensor]) -> None:
         if missing and not self.config.ignore_unused_parameters:
             shapes = [tuple(p.shape) for p in missing[:5]]
             raise RuntimeError(
@@ -336,12 +447,9 @@ class GradReducer:
                 "...); set zero_optimization.ignore_unused_parameters to true to reduce them as "
                 "zeros, or remove them from the optimizer"
             )
-        while self._next < len(self.units):
-            self._launch(self.units[self._next])
-            self._next += 1
 
     def _is_missing(self, unit: FlatUnit, index: int) -> bool:
-        if not self.config.shard_gradients:
+        if not self._shard:
             return False  # the flat buffer holds zeros (or earlier micro-batches) for it
         if self._staging is not None:
             arrived = self._arrived.get(unit.order)
@@ -352,7 +460,7 @@ class GradReducer:
 
     def _launch(self, unit: FlatUnit) -> None:
         with self.queue.side.use():
-            if self.config.shard_gradients:
+            if self._shard:
                 buffer = self._stage_2_input(unit)
                 staged = buffer if self._staging is not None else None
             else:
