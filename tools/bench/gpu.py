@@ -9,7 +9,12 @@ tokens, the same optimizer on both sides (``torch.optim.AdamW`` through the conf
 on one rank with the NCCL backend. ``deepspeed`` must be the real DeepSpeed (installed with
 ``DS_BUILD_OPS=0``); without it only ds's rows are printed.
 
-Goals (issue 18): ds's tokens/s >= DeepSpeed's and ds's peak memory <= DeepSpeed's in every row.
+Goals (issue 18): ds's tokens/s >= DeepSpeed's and ds's peak memory <= DeepSpeed's in every row,
+and the largest model trainable with ZeRO-Offload at least DeepSpeed's. That last one is
+projected, not searched for (a search means many multi-billion-parameter runs): each run reports
+its device peak and its host growth per parameter, and the machine's device and host memory
+divided by those bounds the model (``largest_trainable``); both systems are projected the same
+way from their own runs.
 
 Usage (from the workspace root, on a GPU machine)::
 
@@ -106,6 +111,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         import ds_engine as engine_lib
     cuda = args.device == "cuda"
     engine_lib.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    host_before = _host_resident_bytes()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
@@ -121,12 +127,16 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(1)
     batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device, generator=gen)
     times, losses = [], []
+    peak_backward = peak_step = 0
+    _peak_since_reset(cuda)  # building the engine is not a training step
     for step in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
         loss = engine(batch)
         engine.backward(loss)
+        peak_backward = max(peak_backward, _peak_since_reset(cuda))
         engine.step()
+        peak_step = max(peak_step, _peak_since_reset(cuda))
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -139,11 +149,55 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "params": n_params,
         "tokens_per_s": args.micro_batch * (args.seq - 1) / median,
         "step_s": median,
-        "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else float("nan"),
+        "peak_gib": max(peak_backward, peak_step) / GIB if cuda else float("nan"),
+        "peak_backward_gib": peak_backward / GIB if cuda else float("nan"),
+        "peak_step_gib": peak_step / GIB if cuda else float("nan"),
         "reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else float("nan"),
+        "host_gib": (_host_peak_bytes() - host_before) / GIB,
+        "device_total_gib": torch.cuda.get_device_properties(device).total_memory / GIB
+        if cuda
+        else float("nan"),
+        "host_total_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
+
+
+def _host_resident_bytes() -> int:
+    """This process's resident host memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _host_peak_bytes() -> int:
+    """This process's peak resident host memory (pinned buffers included)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def largest_trainable(row: dict[str, Any]) -> float:
+    """Parameters (billions) of the largest model of this shape that fits, projected from
+    this run: the device and the host each hold bytes per parameter as measured here (device:
+    the peak, activations included, so the projection is conservative; host: the growth of the
+    resident set), and whichever runs out first bounds the model. Both systems are projected
+    the same way from their own runs."""
+    params = row["params"]
+    device = row["device_total_gib"] / (row["peak_gib"] / params)
+    host = row["host_total_gib"] / max(row["host_gib"] / params, 1e-12)
+    return min(device, host) / 1e9
+
+
+def _peak_since_reset(cuda: bool) -> int:
+    """Peak allocated bytes since the last call (0 on the CPU), so forward+backward and the
+    optimizer step each get their own peak: which phase sets the peak says what to shrink."""
+    import torch
+
+    if not cuda:
+        return 0
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def _adam_bench(numel_m: float, steps: int) -> list[dict[str, Any]]:
@@ -204,19 +258,22 @@ def _real_deepspeed_present() -> bool:
 
 def _table(rows: list[dict[str, Any] | str], settings: list[str], systems: list[str]) -> str:
     lines = [
-        "| setting | system | params | tokens/s | step (s) | peak alloc (GiB) | loss first -> last |",
-        "|---|---|---|---|---|---|---|",
+        "| setting | system | params | tokens/s | step (s) | peak alloc (GiB) | peak fwd+bwd / step (GiB) "
+        "| host (GiB) | largest model, projected (B) | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     it = iter(rows)
     for setting in settings:
         for system in systems:
             row = next(it)
             if isinstance(row, str):
-                lines.append(f"| {setting} | {system} | | {row} | | | |")
+                lines.append(f"| {setting} | {system} | | {row} | | | | | | |")
                 continue
             lines.append(
                 f"| {setting} | {system} | {row['params'] / 1e6:.0f}M | {row['tokens_per_s']:.0f} | "
                 f"{row['step_s']:.3f} | {row['peak_gib']:.2f} | "
+                f"{row['peak_backward_gib']:.2f} / {row['peak_step_gib']:.2f} | "
+                f"{row['host_gib']:.1f} | {largest_trainable(row):.1f} | "
                 f"{row['first_loss']:.3f} -> {row['last_loss']:.3f} |"
             )
     return "\n".join(lines)
@@ -256,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_run(args, system, setting))
             print(f"# {setting} {system}: {rows[-1]}", flush=True)  # kept if a later run hangs
     print(_table(rows, args.settings, systems))
+    if args.adam_millions <= 0:
+        return 0
     print("\n| optimizer | ms/step | effective GB/s |\n|---|---|---|")
     for row in _adam_bench(args.adam_millions, 20):
         print(f"| {row['optimizer']} | {row['ms']:.2f} | {row['gb_s']:.0f} |")
