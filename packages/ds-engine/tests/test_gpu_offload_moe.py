@@ -3,7 +3,8 @@ CUDA model, and expert-parallel MoE on two ranks sharing the GPU over gloo with 
 
 NVMe offload must train exactly like CPU offload (the swap is storage, not arithmetic), and the
 MoE engine must match a single-process reference holding every expert, as its CPU twin in
-``test_moe.py`` does. One GPU cannot host two NCCL ranks, so the two-rank runs use gloo, whose
+``test_moe.py`` does, at ZeRO stages 1-3 (stage 3 partitions each expert over its
+expert-data-parallel group). One GPU cannot host two NCCL ranks, so the two-rank runs use gloo, whose
 all-to-all, all-gather and all-reduce accept CUDA tensors.
 """
 
@@ -66,7 +67,7 @@ def test_nvme_offload_from_a_cuda_model_trains_like_cpu_offload(stage: int, tmp_
 
 def _moe_parity_body(rank: int, world_size: int, *, stage: int, steps: int) -> float:
     import torch
-    from test_moe import _config, _full_model, _model, _tokens
+    from test_moe import _config3, _full_model, _model, _tokens
 
     import ds_engine
     import ds_moe
@@ -84,7 +85,7 @@ def _moe_parity_body(rank: int, world_size: int, *, stage: int, steps: int) -> f
         optimizer.step()
 
     model = _full_model(world_size, seed=0)
-    engine, *_ = ds_engine.initialize(model=model, config=_config(stage))
+    engine, *_ = ds_engine.initialize(model=model, config=_config3(stage))
     assert engine.device.type == "cuda"
     assert all(p.device.type == "cuda" for p in engine.module.parameters())
     for step in range(steps):
@@ -101,7 +102,7 @@ def _moe_parity_body(rank: int, world_size: int, *, stage: int, steps: int) -> f
     return worst
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_expert_parallel_moe_on_two_ranks_sharing_the_gpu(stage: int) -> None:
     # Both ranks on cuda:0 (LOCAL_RANK=0), experts split 2 ways, all-to-all through gloo.
     errors = run_on_ranks(
