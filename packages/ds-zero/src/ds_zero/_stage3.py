@@ -235,6 +235,8 @@ class Stage3Hooks:
         self._ran: set[int] = set()
         self.trace: list[torch.nn.Module] | None = None
         self._events: list[torch.nn.Module] = []  # this iteration's
+        self._phases: list[Phase] = []  # forward or backward, by event (for ZeRO++'s hpZ)
+        self._trace_phases: list[Phase] = []
         self._pos = 0
         self._prefetched: dict[int, torch.nn.Parameter] = {}  # ds_id -> not yet used
         self._keep: dict[int, set[int]] = {}  # trace index -> ds_ids to keep after its forward
@@ -372,6 +374,7 @@ class Stage3Hooks:
             self.partitioner.gather(params, phase=phase)
             return
         self._events.append(module)
+        self._phases.append(phase)
         waiting = [p for p in params if not p.ds_persist]
         prefetched = [self._prefetched.pop(p.ds_id, None) is not None for p in waiting]
         following = self._following()
@@ -389,7 +392,7 @@ class Stage3Hooks:
                 self.stats.hits += 1
         handle = self.partitioner.gather(params, async_op=True, phase=phase)
         if following:
-            self._prefetch(phase)
+            self._prefetch()
         handle.wait()
 
     # --- trace -----------------------------------------------------------------------------------
@@ -414,8 +417,10 @@ class Stage3Hooks:
                 self._invalidate()
             if self._events:
                 self.trace = list(self._events)
+                self._trace_phases = list(self._phases)
                 self._plan_reuse()
         self._events = []
+        self._phases = []
         self._open = []
         self._pos = 0
         self._prefetched.clear()
@@ -448,16 +453,17 @@ class Stage3Hooks:
             for p in sets[i]:
                 next_use[p.ds_id] = i
 
-    def _prefetch(self, phase: Phase) -> GatherHandle | None:
+    def _prefetch(self) -> GatherHandle | None:
         if self.prefetch_bucket_size <= 0:
             return None
         assert self.trace is not None
         budget = self.prefetch_bucket_size
         live_room = self.max_live_parameters - self.partitioner.live_numel()
-        chosen: list[torch.nn.Parameter] = []
+        chosen: list[tuple[torch.nn.Parameter, Phase]] = []
         seen: set[int] = set()
         total = 0
-        for module in self.trace[self._pos :]:
+        upcoming = zip(self.trace[self._pos :], self._trace_phases[self._pos :])
+        for module, phase in upcoming:
             for p in self.fetch_set(module):
                 if p.ds_persist or id(p) in seen:
                     continue
@@ -467,17 +473,28 @@ class Stage3Hooks:
                     # too, else the window would grow by a bucket at every module.
                     total += p.ds_numel
                     if total > budget:
-                        return self._issue(chosen, phase)
+                        return self._issue(chosen)
                     continue
                 if total + p.ds_numel > min(budget, live_room):
-                    return self._issue(chosen, phase)
-                chosen.append(p)
+                    return self._issue(chosen)
+                chosen.append((p, phase))
                 total += p.ds_numel
-        return self._issue(chosen, phase)
+        return self._issue(chosen)
 
-    def _issue(self, params: list[torch.nn.Parameter], phase: Phase) -> GatherHandle | None:
-        if not params:
-            return None
+    def _issue(self, chosen: list[tuple[torch.nn.Parameter, Phase]]) -> GatherHandle | None:
+        """Gather ``chosen`` ahead of use; under ZeRO++ one collective for the parameters of
+        upcoming forward events and one for those of backward events (which hpZ gathers within
+        its group)."""
+        if self.partitioner.weight_comm is None:  # no ZeRO++: one collective
+            return self._issue_one([p for p, _ in chosen], "forward") if chosen else None
+        handle = None
+        for phase in ("forward", "backward"):
+            params = [p for p, used in chosen if used == phase]
+            if params:
+                handle = self._issue_one(params, phase)
+        return handle
+
+    def _issue_one(self, params: list[torch.nn.Parameter], phase: Phase) -> GatherHandle:
         for p in params:
             self._prefetched[p.ds_id] = p
         self.stats.prefetched += len(params)
