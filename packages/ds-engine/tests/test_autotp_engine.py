@@ -156,6 +156,14 @@ def _train_body(
     result = {"split": split, "worst": worst, "norms": norms}
     if save_dir is not None:
         result["checkpoint"] = _checkpoint_round_trip(engine, batches, save_dir, stage, tp, micro)
+        # zero_to_fp32 merges every tp rank's zero_mp folder (collective under a process
+        # group: ds-zero verifies the files in shares)
+        from ds_engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
+        result["zero_to_fp32"] = fp32.keys() == merged.keys() and all(
+            torch.equal(fp32[k], merged[k]) for k in merged
+        )
         engine.save_16bit_model(save_dir, "merged.bin")
         merged = ds_engine.gather_tp_state_dict(engine.module)  # after the round trip's step
         if rank == 0:
@@ -211,6 +219,7 @@ def test_tp2_zero1_matches_single_process_and_checkpoints(tmp_path: Path) -> Non
     _check(results)
     assert all(r["checkpoint"] == 0.0 for r in results), [r["checkpoint"] for r in results]
     assert results[0]["merged_file"] and results[0]["merged_keys"]
+    assert results[0]["zero_to_fp32"]
 
 
 @pytest.mark.slow
@@ -226,7 +235,7 @@ def test_tp2_dp2_matches_single_process(stage: int, tmp_path: Path) -> None:
     results = run_on_ranks(_train_body, 4, stage=stage, tp=2, save_dir=str(tmp_path), timeout=400)
     _check(results)
     assert all(r["checkpoint"] == 0.0 for r in results)
-    assert results[0]["merged_file"]
+    assert results[0]["merged_file"] and results[0]["zero_to_fp32"]
 
 
 def _refusal_body(rank: int, world_size: int) -> list[str]:

@@ -11,7 +11,7 @@ recognise stay whole (replicated), which is always correct, only not sharded.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from ds_engine._autotp_layers import (
     merge_shards,
 )
 
-__all__ = ["gather_tp_state_dict", "tp_model_init"]
+__all__ = ["gather_tp_state_dict", "merge_tp_state_dicts", "tp_layout", "tp_model_init"]
 
 # Last name component -> split, for Llama/Mistral/Qwen/OPT/BERT/GPT-2-style blocks.
 _COLUMN_NAMES = frozenset(
@@ -263,3 +263,44 @@ def gather_tp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             sections = getattr(param, "fused_sections", None)
             state[prefix + pname] = merge_shards(parts, dim, sections)
     return state
+
+
+def tp_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """How each sharded parameter of a ``tp_model_init`` model was split, by state-dict key:
+    ``{"dim", "sections", "tp_size"}`` (plain values: checkpoints store it next to the shards so
+    :func:`merge_tp_state_dicts` can rebuild the full tensors offline)."""
+    layout: dict[str, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        if not is_tensor_parallel_layer(module):
+            continue
+        prefix = f"{name}." if name else ""
+        for pname, param in module.named_parameters(recurse=False):
+            if getattr(param, "tensor_model_parallel", False):
+                sections = getattr(param, "fused_sections", None)
+                layout[prefix + pname] = {
+                    "dim": int(param.partition_dim),  # type: ignore[attr-defined]
+                    "sections": list(sections) if sections is not None else None,
+                    "tp_size": module.tp_size,
+                }
+    return layout
+
+
+def merge_tp_state_dicts(
+    states: Sequence[Mapping[str, torch.Tensor]], layout: Mapping[str, Mapping[str, Any]]
+) -> dict[str, torch.Tensor]:
+    """One full state dict from every tp rank's (in tp-rank order) and their :func:`tp_layout`;
+    unsharded entries come from tp rank 0."""
+    sizes = {int(entry["tp_size"]) for entry in layout.values()}
+    if sizes and sizes != {len(states)}:
+        raise ValueError(
+            f"merge_tp_state_dicts: {len(states)} tensor-parallel states, but the layout was "
+            f"saved with tp_size {sorted(sizes)}"
+        )
+    merged = dict(states[0])
+    for key, entry in layout.items():
+        if key not in merged:
+            continue  # e.g. a frozen parameter left out
+        sections = entry["sections"]
+        parts = [state[key] for state in states]
+        merged[key] = merge_shards(parts, int(entry["dim"]), tuple(sections) if sections else None)
+    return merged

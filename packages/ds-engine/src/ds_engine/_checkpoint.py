@@ -45,15 +45,10 @@ import torch
 
 import ds_comm
 from ds_engine import __version__
-from ds_engine._autotp import gather_tp_state_dict
+from ds_engine._autotp import gather_tp_state_dict, tp_layout
 from ds_engine._autotp_engine import is_autotp_model
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_checkpoint
-from ds_engine._moe import (
-    checkpoint_names_of,
-    load_module_state,
-    module_state,
-    save_expert_files,
-)
+from ds_engine._moe import load_module_state, module_state, save_expert_files
 from ds_zero import (
     CheckpointError,
     GatheredParameters,
@@ -202,6 +197,8 @@ def _engine_state(engine: DeepSpeedEngine, client_state: Mapping[str, Any], excl
         "data_loader": loader.state_dict() if loader is not None else None,
         "data_efficiency": engine.data_efficiency_state(),  # curriculum / PLD schedules
         "dp_world_size": engine.dp_world_size,
+        # AutoTP: how each shard was split, to merge the zero_mp folders offline
+        "tp_layout": tp_layout(module) if is_autotp_model(module) else None,
         "ds_version": __version__,
         "client_state": dict(client_state),
     }
@@ -395,9 +392,7 @@ def _load_module(
         load_module_state(engine.module, path, saved, engine.expert_groups, strict)
         return
     missing, unexpected = engine.module.load_state_dict(saved, strict=False)
-    # and the experts, persistent ones too: the zero shards hold them by global id
-    experts = set(checkpoint_names_of(engine.module, engine.expert_groups) or ())
-    missing = [k for k in missing if k not in partitioned and k not in experts]
+    missing = [k for k in missing if k not in partitioned]
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"checkpoint {str(path)!r} does not fit the model: missing keys {missing}, "
@@ -419,10 +414,7 @@ def _load_weights_from_shards(engine: DeepSpeedEngine, zero_dir: Path) -> None:
     """The module's weights from a sharded checkpoint's fp32 masters, one tensor at a time (a
     partitioned parameter is gathered, set and re-partitioned; every rank reads the same
     values, so nothing else is communicated)."""
-    # ZeRO-3 shards name experts by global id (see [Note: MoE under the engine])
-    names = checkpoint_names_of(engine.module, engine.expert_groups) or {}
-    named = engine.module.named_parameters(remove_duplicate=False)
-    params = {names.get(n, n): p for n, p in named}
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, value in iter_fp32_tensors(zero_dir, verified=True):
             param = params.get(name)

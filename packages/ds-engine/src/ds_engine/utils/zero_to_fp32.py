@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import ds_zero
+from ds_engine._autotp_checkpoint import merged_tp_fp32_state_dict
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, is_deepspeed_checkpoint, read_checkpoint
 
 __all__ = [
@@ -163,13 +164,16 @@ def get_fp32_state_dict_from_zero_checkpoint(
         exclude_frozen_parameters: leave out parameters saved with ``requires_grad=False``
             (buffers stay).
         lazy_mode: return name -> a lazy tensor whose ``contiguous()`` reads it (nothing is read
-            before); :func:`to_torch_tensor` materialises such a dict.
+            before); :func:`to_torch_tensor` materialises such a dict. (An AutoTP checkpoint's
+            tensor-parallel shards are read and merged at once, then wrapped.)
 
     Example:
         >>> state = get_fp32_state_dict_from_zero_checkpoint("ckpts")
         >>> model.cpu().load_state_dict(state)
     """
     deepspeed = _deepspeed_fp32(checkpoint_dir, tag, exclude_frozen_parameters)
+    if deepspeed is None:  # AutoTP: every tp rank's zero_mp folder, merged (eagerly)
+        deepspeed = merged_tp_fp32_state_dict(checkpoint_dir, tag, exclude_frozen_parameters)
     if deepspeed is not None:
         if not lazy_mode:
             return deepspeed
