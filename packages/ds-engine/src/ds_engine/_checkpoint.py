@@ -48,7 +48,12 @@ from ds_engine import __version__
 from ds_engine._autotp import gather_tp_state_dict, tp_layout
 from ds_engine._autotp_engine import is_autotp_model
 from ds_engine._deepspeed_ckpt import deepspeed_tag_dir, load_deepspeed_checkpoint
-from ds_engine._moe import load_module_state, module_state, save_expert_files
+from ds_engine._moe import (
+    checkpoint_names_of,
+    load_module_state,
+    module_state,
+    save_expert_files,
+)
 from ds_zero import (
     CheckpointError,
     GatheredParameters,
@@ -392,7 +397,9 @@ def _load_module(
         load_module_state(engine.module, path, saved, engine.expert_groups, strict)
         return
     missing, unexpected = engine.module.load_state_dict(saved, strict=False)
-    missing = [k for k in missing if k not in partitioned]
+    # and the experts, persistent ones too: the zero shards hold them by global id
+    experts = set(checkpoint_names_of(engine.module, engine.expert_groups) or ())
+    missing = [k for k in missing if k not in partitioned and k not in experts]
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"checkpoint {str(path)!r} does not fit the model: missing keys {missing}, "
@@ -414,7 +421,10 @@ def _load_weights_from_shards(engine: DeepSpeedEngine, zero_dir: Path) -> None:
     """The module's weights from a sharded checkpoint's fp32 masters, one tensor at a time (a
     partitioned parameter is gathered, set and re-partitioned; every rank reads the same
     values, so nothing else is communicated)."""
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    # ZeRO-3 shards name experts by global id (see [Note: MoE under the engine])
+    names = checkpoint_names_of(engine.module, engine.expert_groups) or {}
+    named = engine.module.named_parameters(remove_duplicate=False)
+    params = {names.get(n, n): p for n, p in named}
     with torch.no_grad():
         for name, value in iter_fp32_tensors(zero_dir, verified=True):
             param = params.get(name)
