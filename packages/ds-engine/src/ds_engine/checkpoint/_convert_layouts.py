@@ -43,7 +43,7 @@ from ds_engine._deepspeed_ckpt._write_pipe import check_pipeline_target
 from ds_engine._deepspeed_ckpt._write_stage0 import stage0_optimizer
 from ds_engine._deepspeed_ckpt._write_state import GroupState, WriteState
 
-__all__ = ["convert_moe", "convert_pipeline", "is_moe", "is_pipeline"]
+__all__ = ["convert_moe", "convert_pipeline", "is_moe", "is_pipeline", "read_moe"]
 
 _FORMAT = "ds_zero.sharded/1"
 _PP_STATE = re.compile(r"^pp_rank_(\d+)_dp_rank_(\d+)_states\.pt$")
@@ -371,18 +371,11 @@ def _moe_layers(
     return out
 
 
-def convert_moe(
-    folder: Path,
-    root: Path,
-    *,
-    world: int | None,
-    stage: int | None,
-    config: Mapping[str, Any] | None,
-    clip: float | None,
-    scaler: Callable[[Any], tuple[Any, int | None]],
-) -> None:
-    """Write the ds MoE checkpoint ``folder`` in DeepSpeed's MoE layout under the tag folder
-    ``root`` (see [Note: DeepSpeed's MoE checkpoint])."""
+def read_moe(
+    folder: Path, scaler: Callable[[Any], tuple[Any, int | None]]
+) -> tuple[MoEState, Mapping[str, Any], Mapping[str, Any]]:
+    """A ds MoE checkpoint (ZeRO 0-2) whole: the state the MoE layout is cut from, the model
+    file, and rank 0's ZeRO state (its stage, dtype and loss scaler)."""
     engine = _load(folder / "mp_rank_00_model_states.pt")
     expert_layers, expert_weights = _expert_layers(folder)
     states = _moe_rank_states(folder)
@@ -440,14 +433,33 @@ def convert_moe(
         dense=dense,
         shapes=shapes,
         order=order,
-        header=WriteState({}, {}, OrderedDict(), [], state_scaler, cur_iter or steps, clip),
+        header=WriteState({}, {}, OrderedDict(), [], state_scaler, cur_iter or steps, None),
     )
+    return moe_state, engine, states[0]
+
+
+def convert_moe(
+    folder: Path,
+    root: Path,
+    *,
+    world: int | None,
+    stage: int | None,
+    config: Mapping[str, Any] | None,
+    clip: float | None,
+    scaler: Callable[[Any], tuple[Any, int | None]],
+) -> None:
+    """Write the ds MoE checkpoint ``folder`` in DeepSpeed's MoE layout under the tag folder
+    ``root`` (see [Note: DeepSpeed's MoE checkpoint])."""
+    moe_state, engine, first = read_moe(folder, scaler)
+    h = moe_state.header
+    moe_state.header = WriteState({}, {}, OrderedDict(), [], h.scaler, h.cur_iter, clip)
+    states = [first]
     target = int(stage if stage is not None else states[0].get("stage") or 0)
     write_moe_layout(
         root,
         moe_state,
         _meta(engine, config),
-        world=int(world or engine.get("dp_world_size") or len(states)),
+        world=int(world or engine.get("dp_world_size") or 1),
         stage=target,
         dtype=_DTYPES.get(str(states[0].get("dtype"))),
         client=dict(engine.get("client_state") or {}),

@@ -12,6 +12,17 @@ Folders written by ``ds-to-universal`` and by DeepSpeed's ``ds_to_universal.py``
 a state file holds ``{"param": tensor, ...}`` (stages 0-2) or the flat tensor (DeepSpeed's
 stage 3 output). Every file is read with ``torch.load(weights_only=True)`` and an allow-list
 of DeepSpeed's own data types (``ds_engine._deepspeed_ckpt.load_file``): no file runs code.
+
+[Note: MoE universal]
+A universal folder of an MoE model holds each expert parameter under its global expert id
+(``zero/<...>.deepspeed_experts.<global>.<rest>/fp32.pt``; ``ds-to-universal`` renames the
+saving ranks' local ids) and the per-expert weight files beside the model-states file. A loading
+rank asks for its experts by their global names (``ds_moe.global_expert_names``), so the folder
+loads at any ``ep_size`` and world size. This is ds's extension: DeepSpeed 0.19.8's
+``ds_to_universal`` cannot convert a native MoE checkpoint whose ``ep_size`` is above 1 (it
+merges different ranks' experts that share a local name, and fails), and its universal loader
+looks experts up by local name, so it reads such a folder only at ``ep_size`` 1 (where local and
+global names agree); DeepSpeed runs no MoE at ZeRO stage 3.
 """
 
 from __future__ import annotations
@@ -78,10 +89,15 @@ def _state(folder: Path, name: str, state: str) -> torch.Tensor:
     return value.float().flatten()
 
 
-def _lookup(folder: Path, names: set[str]) -> Callable[[str, int, int], dict[str, torch.Tensor]]:
+def _lookup(
+    folder: Path, rename: Mapping[str, str]
+) -> Callable[[str, int, int], dict[str, torch.Tensor]]:
+    """Any element range of a parameter's saved states, by the loading rank's name (MoE
+    experts: ``rename`` maps local to global expert names, see [Note: MoE universal])."""
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def lookup(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        name = rename.get(name, name)
         if name not in cache:
             cache.clear()  # one parameter's files in memory at a time
             where = folder / "zero" / name
@@ -92,10 +108,26 @@ def _lookup(folder: Path, names: set[str]) -> Callable[[str, int, int], dict[str
             cache[name] = {("param" if s == "fp32" else s): _state(folder, name, s) for s in states}
         return {k: v[start:stop] for k, v in cache[name].items()}
 
+    # ds-zero fills param groups on their own process groups (MoE experts) only from a lookup
+    # that resolves each rank's own names
+    lookup.per_rank_names = bool(rename)  # type: ignore[attr-defined]
     return lookup
 
 
-def _load_module(engine: DeepSpeedEngine, folder: Path, saved: Mapping[str, Any], strict: bool):
+def _expert_names(engine: DeepSpeedEngine) -> dict[str, str]:
+    """Each of this rank's expert parameters' global name (none without MoE layers)."""
+    from ds_engine._moe import checkpoint_names_of
+
+    return checkpoint_names_of(engine.module, getattr(engine, "expert_groups", None)) or {}
+
+
+def _load_module(
+    engine: DeepSpeedEngine,
+    folder: Path,
+    saved: Mapping[str, Any],
+    strict: bool,
+    rename: Mapping[str, str],
+):
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     targets = dict(engine.module.state_dict(keep_vars=True))
     missing = [
@@ -106,7 +138,7 @@ def _load_module(engine: DeepSpeedEngine, folder: Path, saved: Mapping[str, Any]
     with torch.no_grad():
         for name, target in targets.items():
             if name in trainable:
-                value = _state(folder, name, "fp32")
+                value = _state(folder, rename.get(name, name), "fp32")
             elif name in saved and torch.is_tensor(saved[name]) and saved[name].numel():
                 value = saved[name].flatten()
             else:
@@ -155,7 +187,8 @@ def _restore_scalars(engine: DeepSpeedEngine, folder: Path, optim: Mapping[str, 
     inner = getattr(optimizer, "optimizer", None)
     for g, group in enumerate(optimizer.param_groups):
         for key, value in (saved_groups[g] if saved_groups else {}).items():
-            if key in group and key != "params":
+            # a group's identity (MoE: "ep_size_<E>") stays the loading model's
+            if key in group and key not in ("params", "name", "moe"):
                 group[key] = value
         for p in group["params"] if step is not None and inner is not None else ():
             assert inner is not None  # the loop runs only when it is set
@@ -190,15 +223,17 @@ def load_universal_checkpoint(
     client_state)`` like :meth:`DeepSpeedEngine.load_checkpoint`."""
     folder = universal_folder(load_dir, tag)
     model = _load(_model_file(folder))
+    rename = _expert_names(engine)
     if custom_load_fn is not None:
         custom_load_fn(src=model.get("module", {}), dst=engine.module)
     else:
-        _load_module(engine, folder, model.get("module", {}), strict)
+        _load_module(engine, folder, model.get("module", {}), strict, rename)
     optimizer = engine.optimizer
     zero = isinstance(optimizer, (ZeroOptimizer, Stage3Optimizer))
     if optimizer_states and zero and not module_only:
-        names = {n for n, p in engine.module.named_parameters() if p.requires_grad}
-        optimizer.load_checkpoint_shards(_lookup(folder, names))
+        # ds's ZeRO-3 asks for experts by their global names already
+        lookup_names = {} if isinstance(optimizer, Stage3Optimizer) else rename
+        optimizer.load_checkpoint_shards(_lookup(folder, lookup_names))
         _restore_scalars(engine, folder, _load(folder / "zero" / "optimizer_state.pt"))
     elif zero:
         optimizer.refresh_fp32_params()

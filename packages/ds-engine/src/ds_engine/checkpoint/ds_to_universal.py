@@ -53,6 +53,8 @@ from ds_engine._deepspeed_ckpt._pickle import (
     ZeroStage,
     save_file,
 )
+from ds_engine._deepspeed_ckpt._read_moe import EXPERT_PARAM
+from ds_engine.checkpoint._convert_layouts import is_moe, read_moe
 
 __all__ = ["UNIVERSAL_CHECKPOINT_INFO", "convert_to_universal", "main", "parse_arguments"]
 
@@ -92,11 +94,24 @@ def _parallel(work: Callable[[Any], None], items: Iterable[Any], workers: int) -
             pass
 
 
+def _expert_file(path: Path) -> bool:
+    return path.name.startswith("layer_") and "_expert_" in path.name
+
+
 def _model_files(source: Path) -> list[Path]:
-    files = sorted(source.glob("*model_states.pt"))
+    """The model-states files (MoE expert files apart: they are copied as they are)."""
+    files = sorted(p for p in source.glob("*model_states.pt") if not _expert_file(p))
     if not files:
         raise FileNotFoundError(f"{str(source)!r} has no *model_states.pt file: not a tag folder")
     return files
+
+
+def _shape_of(name: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """A parameter's shape; an expert under its global id takes its layer's local expert 0's."""
+    if name in shapes:
+        return shapes[name]
+    match = EXPERT_PARAM.match(name)
+    return None if match is None else shapes.get(f"{match['prefix']}0.{match['suffix']}")
 
 
 def _deepspeed_keys(state: dict[str, Any]) -> None:
@@ -138,7 +153,7 @@ class _DeepSpeedSource:
     """A DeepSpeed tag folder, read whole, seen as a :class:`ds_zero.CheckpointView`."""
 
     def __init__(self, path: Path) -> None:
-        self.state = read_checkpoint(path, [])
+        self.state = read_checkpoint(path, _moe_trainable(path))
         if not self.state.fp32:
             raise ValueError(
                 f"{str(path)!r} holds no ZeRO optimizer files (stage 0): a universal checkpoint "
@@ -148,7 +163,7 @@ class _DeepSpeedSource:
         shapes: dict[str, tuple[int, ...]] = {}
         for group in self.state.engine.get("param_shapes") or []:
             shapes.update({n: tuple(int(d) for d in s) for n, s in group.items()})
-        self.shapes = {n: shapes.get(n, (v.numel(),)) for n, v in self.state.fp32.items()}
+        self.shapes = {n: _shape_of(n, shapes) or (v.numel(),) for n, v in self.state.fp32.items()}
 
     def pieces(self, name: str) -> list[tuple[int, int]]:
         return [(0, self.state.fp32[name].numel())]
@@ -164,6 +179,50 @@ class _DeepSpeedSource:
             for g in self.state.groups
         ]
         return {"param_groups": groups, "loss_scaler": self.state.loss_scaler}
+
+    def close(self) -> None:
+        pass
+
+
+def _moe_trainable(path: Path) -> list[str]:
+    """The trainable names a DeepSpeed MoE checkpoint's ZeRO files hold (its ``param_shapes``:
+    rank 0's local expert names); empty without MoE (the reader needs no model then)."""
+    model = path / "mp_rank_00_model_states.pt"
+    if not any(_expert_file(p) for p in path.iterdir()) or not model.is_file():
+        return []
+    shapes = load_file(model).get("param_shapes") or []
+    return [n for group in shapes for n in group]
+
+
+class _MoESource:
+    """A ds MoE checkpoint (ZeRO 0-2, per-rank ZeRO files), read whole, experts by global id
+    (see ``_convert_layouts``), seen as a :class:`ds_zero.CheckpointView`."""
+
+    def __init__(self, path: Path) -> None:
+        state, _, first = read_moe(path, lambda saved: (saved, None))
+        self.stage = int(first.get("stage") or 0)
+        self.whole = state.whole
+        local = {n: tuple(int(d) for d in v) for n, v in state.shapes.items()}
+        self.shapes = {
+            n: _shape_of(n, local) or (v["param"].numel(),) for n, v in self.whole.items()
+        }
+        groups = []
+        for t in state.templates:
+            groups.append({"hyper": t.hyper, "state": {} if t.step is None else {"step": t.step}})
+        self._scalars = {
+            "param_groups": groups,
+            "loss_scaler": first.get("loss_scaler"),
+            "counters": first.get("counters", {}),
+        }
+
+    def pieces(self, name: str) -> list[tuple[int, int]]:
+        return [(0, self.whole[name]["param"].numel())]
+
+    def values(self, name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        return {k: v[start:stop] for k, v in self.whole[name].items()}
+
+    def scalars(self) -> dict[str, Any]:
+        return self._scalars
 
     def close(self) -> None:
         pass
@@ -292,8 +351,12 @@ def convert_to_universal(
     source, out = Path(input_folder), Path(output_folder)
     from_deepspeed = is_deepspeed_checkpoint(source)
     models = _check_info(_model_files(source), inject_missing_state, not from_deepspeed)
-    view = _DeepSpeedSource(source) if from_deepspeed else None
-    view = view or ds_zero.CheckpointView(source)
+    if from_deepspeed:
+        view: Any = _DeepSpeedSource(source)
+    elif is_moe(source) and (source / "zero" / "metadata.json").is_file():
+        view = _MoESource(source)  # ds's MoE experts: per-rank ZeRO files
+    else:
+        view = ds_zero.CheckpointView(source)
     zero, temp = out / "zero", out / "tmp"
     shutil.rmtree(out, ignore_errors=True)
     zero.mkdir(parents=True)
@@ -309,6 +372,8 @@ def convert_to_universal(
     save_file(optimizer_state, zero / "optimizer_state.pt")  # DeepSpeed's class names
     if not keep_temp_folder:
         shutil.rmtree(temp, ignore_errors=True)
+    for file in sorted(p for p in source.glob("*model_states.pt") if _expert_file(p)):
+        shutil.copy2(file, out / file.name)  # MoE experts: weights by global id, as saved
     for file, state in models:
         if state is None:
             shutil.copy2(file, out / file.name)

@@ -1,0 +1,95 @@
+"""MoE universal checkpoints: ``ds-to-universal`` names every expert by its global id and ds's
+universal load finds a rank's experts by theirs, at any ``ep_size``, world size and ZeRO stage
+(see ``_universal_load``'s [Note: MoE universal]).
+
+Each loss is the mean over the global batch; the routing (top-1, capacity 4 tokens per expert
+on 4 tokens per rank) drops no token at 2 ranks whatever the ``ep_size``, so a run reloaded at
+another ``ep_size`` continues the same trajectory: within a relative 1e-5 (the universal
+tests' tolerance). DeepSpeed's own ``ds_to_universal`` fails on a native MoE checkpoint of
+``ep_size`` 2 (it merges the ranks' experts that share a local name), so there is no DeepSpeed
+leg for ``ep_size`` above 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _deepspeed_fixtures as fx
+import test_deepspeed_write as tw
+
+RTOL = 1e-5
+EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts"
+
+
+def _universal(source: Path, out: Path) -> Path:
+    from ds_engine.checkpoint.ds_to_universal import main
+
+    assert (
+        main(["--input_folder", str(source), "--output_folder", str(out), "--inject_missing_state"])
+        == 0
+    )
+    return out
+
+
+def _resume_body(rank: int, world: int, model: str, stage: int, load: str) -> list[float]:
+    """ds loads the universal folder under ``load`` (``model`` as in test_deepspeed_write) at
+    ``stage`` and trains the next 3 steps."""
+    cfg = tw._config(stage, "fp32", world)
+    cfg["checkpoint"] = {"load_universal": True}
+    ep_size = 1 if model == "moe-ep1" else world
+    engine = fx.build_moe_engine(cfg, world, ep_size=ep_size, multi=model == "moe-multi")
+    path, _ = engine.load_checkpoint(load)
+    assert path is not None and engine.global_steps == 3
+    return fx.train(engine, 3, 3, rank, world, "fp32")
+
+
+@pytest.mark.parametrize("model", [pytest.param("moe", marks=pytest.mark.slow), "moe-ep1"])
+def test_deepspeed_moe_checkpoint_through_universal(model: str, tmp_path: Path) -> None:
+    """DeepSpeed 0.19.8's MoE checkpoint (ep_size 2, ZeRO-2, 2 ranks), converted by
+    ``ds-to-universal``, resumes in ds at ZeRO-1 with ep_size 2 and with ep_size 1 on
+    DeepSpeed's own next losses."""
+    case = fx.expected()["cases"]["moe_zero2_w2"]
+    out = _universal(fx.FIXTURES / "moe_zero2_w2" / "step3", tmp_path / "step3_universal")
+    for expert in (0, 1):  # each expert under its global id, whole
+        saved = torch.load(out / "zero" / f"{EXPERT}.{expert}.weight" / "fp32.pt")
+        assert saved["param"].shape == (16, 16)
+    assert (out / "layer_0_expert_1_mp_rank_00_model_states.pt").is_file()
+    got = run_on_ranks(_resume_body, 2, model, 1, str(tmp_path), timeout=240)[0]
+    torch.testing.assert_close(got, case["resumed_losses"], rtol=RTOL, atol=0)
+
+
+def _native3_body(rank: int, world: int, model: str, stage: int, out: str) -> list[float]:
+    engine = tw._engine(model, stage, "fp32", world)
+    tw._train(engine, model, 0, 3, rank, world, "fp32")
+    engine.save_checkpoint(out)
+    return tw._train(engine, model, 3, 3, rank, world, "fp32")
+
+
+_DS_CASES = [("moe", 2, "moe-ep1", 1), ("moe-multi", 2, "moe-multi", 1), ("moe", 0, "moe", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saved", "stage", "loaded", "load_stage"),
+    _DS_CASES,
+    ids=[f"{a}-z{b}-to-{c}-z{d}" for a, b, c, d in _DS_CASES],
+)
+def test_ds_moe_checkpoint_through_universal(
+    saved: str, stage: int, loaded: str, load_stage: int, tmp_path: Path
+) -> None:
+    """A ds MoE checkpoint (2 ranks: ep_size 2; or ep_size 1 and 2 layers) through
+    ``ds-to-universal`` resumes in ds at another ZeRO stage and ``ep_size`` on the
+    uninterrupted run's losses."""
+    save_dir = tmp_path / "ds"
+    continued = run_on_ranks(_native3_body, 2, saved, stage, str(save_dir), timeout=240)[0]
+    tag = (save_dir / "latest").read_text().strip()
+    _universal(save_dir / tag, save_dir / f"{tag}_universal")
+    got = run_on_ranks(_resume_body, 2, loaded, load_stage, str(save_dir), timeout=240)[0]
+    torch.testing.assert_close(got, continued, rtol=RTOL, atol=0)
