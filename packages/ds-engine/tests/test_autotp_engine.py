@@ -250,14 +250,31 @@ def _refusal_body(rank: int, world_size: int) -> list[str]:
         with pytest.raises(exc) as info:
             ds_engine.initialize(model=make_block(), config=cfg)
         errors.append(str(info.value))
+    import ds_comm
+
+    with pytest.raises(ds_engine.ConfigError) as info:  # an mpu of another tp size
+        ds_engine.initialize(
+            model=make_block(), config=_config(1, 2, 2), mpu=ds_comm.ParallelGrid(tp=1).mpu()
+        )
+    errors.append(str(info.value))
+    # DeepSpeed's order: tp_model_init first, then initialize with the config: kept as sharded
+    model = ds_engine.tp_model_init(make_block(), 2, torch.float32)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    engine, *_ = ds_engine.initialize(model=model, config=_config(1, 2, 2))
+    assert engine.module is model
+    assert {n: p.shape for n, p in engine.module.named_parameters()} == shapes
+    x, y = dataset(2).tensors
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
     return errors
 
 
-def test_refusals_name_the_key() -> None:
+def test_refusals_name_the_key_and_a_tp_model_init_model_is_kept() -> None:
     errors = run_on_ranks(_refusal_body, 2, timeout=120)[0]
     assert "zero_optimization.stage 3" in errors[0] and "autotp_size = 2" in errors[0]
     assert "autotp_size = 3 does not divide the world size 2" in errors[1]
     assert "tensor_parallel.dtype = 'bf16' conflicts" in errors[2]
+    assert "model-parallel group has 1 ranks" in errors[3]
 
 
 def test_unimplemented_tensor_parallel_keys_stay_refused() -> None:
