@@ -1,28 +1,30 @@
 """What checkpoint verification costs: ``load_checkpoint`` with and without the integrity check.
 
-One process saves a ZeRO-2 engine (a stack of ``--width`` x ``--width`` linear layers, Adam,
-``--params`` million parameters) once, then loads it ``--rounds`` times each way, alternating:
+For each setting (ZeRO-2 and ZeRO-3; a full load, and a weights-only load,
+``load_optimizer_states=False``) one process saves an engine (a stack of ``--width`` x
+``--width`` linear layers, Adam, ``--params`` million parameters) once, then loads that same
+checkpoint ``--rounds`` times each way, the two arms alternating which goes first:
 
-* ``verified``: ``engine.load_checkpoint`` as shipped: ``ds_manifest.json`` read, every file's
-  16 MiB-chunk CRC-32 checked on ``min(8, cpus)`` threads while the load reads the files (see
-  ds-zero's [Note: verification overlapped with reading]), the zero manifest's seal, bindings
-  and coverage checked, the verdict waited for, then the values written;
-* ``unverified``: the same load with the checks replaced by no-ops (what loading cost before).
+* ``with verify``: ``engine.load_checkpoint`` as shipped: ``ds_manifest.json`` read and its
+  seal checked, every file the load reads checked against it (from the loader's own tensors
+  as it reads them, see ds-zero's [Note: verifying what the loader read]; the files it does
+  not read hashed on threads), the zero manifest's seal, bindings and coverage checked, the
+  verdict agreed, then the values written;
+* ``without verify``: the same load with the checks replaced by no-ops.
 
-The table gives the median of each, the checksum time alone (``verify_directory``, not
-overlapped), and the overhead (verified / unverified - 1). The target is under 5% of load time.
-One load of each arm first warms the page cache, so both measure loads from memory (the worst
-case for the overhead: a cold disk makes the load slower and the same check relatively
-cheaper), and the arms alternate which goes first in each round. ``--cold`` drops the
-checkpoint's pages from the page cache before every timed load (``posix_fadvise(DONTNEED)`` on
-each file, no root needed), so both arms read from the disk, as a job does when it starts.
-``--stage 3 --no-optimizer-states`` measures the path that reads the weights from the zero
-shards.
+The table gives, per setting, the median wall time of each arm, the overhead (with / without
+- 1; the target is under 5%), and the same for the process's CPU time (all threads): on a
+busy machine, where no core is free for the checksum threads, the CPU overhead is what the
+wall overhead tends to. One load of each arm first warms the page cache, so by default both
+arms load from memory (the worst case for the overhead). ``--cold`` drops the checkpoint's
+pages from the page cache before every timed load (``posix_fadvise(DONTNEED)`` on each file,
+no root needed), so both arms read from the disk, as a job does when it starts.
 
 Usage (from the workspace root)::
 
-    uv run python tools/bench/checkpoint_verify.py                  # ~50M params
-    uv run python tools/bench/checkpoint_verify.py --params 5 --rounds 3   # a quick look
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/checkpoint_verify.py --params 10 --rounds 5
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/checkpoint_verify.py --params 10 --rounds 5 --cold
+    ... --stage 3 --no-optimizer-states --phases   # one setting, with each load phase timed
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class _NoCheck:
 
     def note(self, problem: str) -> None:
         raise RuntimeError(problem)
+
+    def hash_loaded(self, path: object, obj: object) -> None:
+        pass
+
+    def skip(self, folder: str) -> None:
+        pass
 
     def wait(self, problems=()) -> dict:
         return {}
@@ -109,6 +117,8 @@ _PHASES = (
     ("ds_zero._zero_shards", "_read_shards"),
     ("ds_zero._integrity", "PendingVerification.wait"),
 )
+# The checksum functions, run on the hashing threads: their time is summed over the threads.
+_HASHERS = ("_crc_range", "tensor_crcs", "spans_crc")
 
 
 @contextlib.contextmanager
@@ -132,7 +142,7 @@ def _phase_timer(spans: dict[str, list[float]]) -> Iterator[None]:
 
         return timed
 
-    targets = [*_PHASES, ("ds_zero._integrity", "_crc_range")]
+    targets = [*_PHASES, *(("ds_zero._integrity", h) for h in _HASHERS)]
     for module_name, attr in targets:
         owner: object = importlib.import_module(module_name)
         *path, name = attr.split(".")
@@ -142,7 +152,7 @@ def _phase_timer(spans: dict[str, list[float]]) -> Iterator[None]:
         setattr(
             owner,
             name,
-            wrap(attr if attr != "_crc_range" else "hash threads (sum)", patched[-1][2]),
+            wrap(attr if attr not in _HASHERS else "hash threads (sum)", patched[-1][2]),
         )
     try:
         yield
@@ -163,6 +173,55 @@ def _drop_cached_pages(folder: str) -> None:
                 os.close(fd)
 
 
+_ARMS = ("without verify", "with verify")
+
+
+def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
+    """Median wall and CPU seconds of each arm over ``args.rounds`` alternating rounds (and the
+    phases' spans when ``args.phases``)."""
+    folder = os.path.join(root, "bench")
+    engine.load_checkpoint(root, tag="bench", **load)  # warm the page cache, both arms
+    with _unverified():
+        engine.load_checkpoint(root, tag="bench", **load)
+    wall: dict[str, list[float]] = {arm: [] for arm in _ARMS}
+    cpu: dict[str, list[float]] = {arm: [] for arm in _ARMS}
+    spans: dict[str, dict[str, list[float]]] = {arm: {} for arm in _ARMS}
+
+    def timed(arm: str) -> None:
+        if args.cold:
+            _drop_cached_pages(folder)
+        phases = contextlib.nullcontext()
+        if args.phases:
+            for values in spans[arm].values():
+                values.append(0.0)
+            phases = _phase_timer(spans[arm])
+        with (
+            _unverified() if arm == "without verify" else contextlib.nullcontext(),
+            phases,
+        ):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            engine.load_checkpoint(root, tag="bench", **load)
+            wall[arm].append(time.perf_counter() - start)
+            cpu[arm].append(time.process_time() - start_cpu)
+
+    for i in range(args.rounds):  # alternate which arm goes first
+        for arm in _ARMS[:: 1 if i % 2 == 0 else -1]:
+            timed(arm)
+    return {
+        "wall": {arm: statistics.median(v) for arm, v in wall.items()},
+        "cpu": {arm: statistics.median(v) for arm, v in cpu.items()},
+        "spans": spans,
+        "times": wall,
+    }
+
+
+def _settings(args: argparse.Namespace) -> list[tuple[int, bool]]:
+    """``(stage, load_optimizer_states)`` of each row asked for."""
+    stages = [args.stage] if args.stage else [2, 3]
+    loads = [False] if args.no_optimizer_states else [True, False]
+    return [(stage, full) for stage in stages for full in loads]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "checkpoint verification cost").splitlines()[0]
@@ -170,7 +229,9 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=50.0, help="million parameters")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument(
+        "--stage", type=int, default=None, choices=(1, 2, 3), help="only this ZeRO stage"
+    )
     parser.add_argument(
         "--cold", action="store_true", help="drop the files' cached pages before every load"
     )
@@ -182,7 +243,7 @@ def main() -> None:
     parser.add_argument(
         "--no-optimizer-states",
         action="store_true",
-        help="load_checkpoint(load_optimizer_states=False) (stage 3: weights from the shards)",
+        help="only the weights-only loads (load_checkpoint(load_optimizer_states=False))",
     )
     args = parser.parse_args()
     with socket.socket() as s:
@@ -190,85 +251,67 @@ def main() -> None:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
-    from ds_zero import verify_directory
-
-    engine = _engine(args.params, args.width, args.stage)
-    x = torch.randn(2, args.width)
-    engine.backward(engine(x).square().mean())
-    engine.step()
-    load = {"load_optimizer_states": not args.no_optimizer_states}
-    with tempfile.TemporaryDirectory() as root:
-        engine.save_checkpoint(root, tag="bench")
-        folder = os.path.join(root, "bench")
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
-        engine.load_checkpoint(root, tag="bench", **load)  # warm the page cache, both arms
-        with _unverified():
-            engine.load_checkpoint(root, tag="bench", **load)
-        times: dict[str, list[float]] = {"verified": [], "unverified": [], "checksums": []}
-        cpu: dict[str, list[float]] = {k: [] for k in times}
-        spans: dict[str, dict[str, list[float]]] = {"verified": {}, "unverified": {}}
-
-        def timed(arm: str) -> None:
-            if args.cold:
-                _drop_cached_pages(folder)
-            phases = contextlib.nullcontext()
-            if args.phases and arm in spans:
-                for values in spans[arm].values():
-                    values.append(0.0)
-                phases = _phase_timer(spans[arm])
-            with (
-                _unverified() if arm == "unverified" else contextlib.nullcontext(),
-                phases,
-            ):
-                start, start_cpu = time.perf_counter(), time.process_time()
-                if arm == "checksums":
-                    verify_directory(folder)
-                else:
-                    engine.load_checkpoint(root, tag="bench", **load)
-                times[arm].append(time.perf_counter() - start)
-                cpu[arm].append(time.process_time() - start_cpu)
-
-        for i in range(args.rounds):  # alternate which arm goes first
-            for arm in ("verified", "unverified")[:: 1 if i % 2 == 0 else -1]:
-                timed(arm)
-            timed("checksums")
-    med = {k: statistics.median(v) for k, v in times.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    rows = []
+    load_before = os.getloadavg()[0]
+    settings = _settings(args)
+    for stage in dict.fromkeys(stage for stage, _ in settings):
+        engine = _engine(args.params, args.width, stage)
+        x = torch.randn(2, args.width)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        with tempfile.TemporaryDirectory() as root:
+            engine.save_checkpoint(root, tag="bench")
+            folder = os.path.join(root, "bench")
+            size = sum(
+                os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs
+            )
+            for _, full in (s for s in settings if s[0] == stage):
+                load = {"load_optimizer_states": full}
+                what = "full load" if full else "weights only (load_optimizer_states=False)"
+                result = _measure(engine, root, load, args)
+                rows.append((f"ZeRO-{stage}, {what}, {size / 2**20:.0f} MiB", result))
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     print(
-        f"{params / 1e6:.1f}M parameters, checkpoint {size / 2**20:.0f} MiB, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-        f"ZeRO-{args.stage}, {load}, {'cold' if args.cold else 'warm'} page cache, "
-        f"median of {args.rounds}"
+        f"\n{params / 1e6:.1f}M parameters, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, {'cold' if args.cold else 'warm'} page cache, median of "
+        f"{args.rounds} alternating rounds; load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (a busy machine leaves no core for the checksum threads)"
     )
-    print(f"load average {os.getloadavg()[0]:.1f} (a busy machine leaves no core for the overlap)")
-    print("| load | seconds | MiB/s | CPU seconds (all threads) |")
-    print("|---|---|---|---|")
-    for key in ("unverified", "verified", "checksums"):
-        print(f"| {key} | {med[key]:.3f} | {size / 2**20 / med[key]:.0f} | {med_cpu[key]:.3f} |")
-    overhead = 100 * (med["verified"] / med["unverified"] - 1)
-    cpu_overhead = 100 * (med_cpu["verified"] / med_cpu["unverified"] - 1)
-    print(f"| overhead | {overhead:+.1f}% | | {cpu_overhead:+.1f}% |")
+    print(
+        "| setting | load without verify (s) | with verify (s) | overhead "
+        "| CPU without (s) | CPU with (s) | CPU overhead |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, result in rows:
+        wall, cpu = result["wall"], result["cpu"]
+        a, b = wall["without verify"], wall["with verify"]
+        ca, cb = cpu["without verify"], cpu["with verify"]
+        print(
+            f"| {name} | {a:.3f} | {b:.3f} | {100 * (b / a - 1):+.1f}% "
+            f"| {ca:.3f} | {cb:.3f} | {100 * (cb / ca - 1):+.1f}% |"
+        )
     if args.phases:
-        _print_phases(spans, times)
+        for name, result in rows:
+            print(f"\n{name}")
+            _print_phases(result["spans"], result["times"])
 
 
 def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, list[float]]) -> None:
     """The median seconds of each phase per arm (a phase first met in a later load counts 0
     in the earlier ones)."""
-    print("\n| phase (median s) | unverified | verified |")
+    print("| phase (median s) | without verify | with verify |")
     print("|---|---|---|")
     labels = dict.fromkeys(k for arm in spans.values() for k in arm)
     for label in labels:
         row = []
-        for arm in ("unverified", "verified"):
+        for arm in _ARMS:
             values = spans[arm].get(label, [])
             values = [0.0] * (len(times[arm]) - len(values)) + values
             row.append(f"{statistics.median(values):.3f}" if values else "-")
         print(f"| {label} | {row[0]} | {row[1]} |")
     print(
-        f"| whole load | {statistics.median(times['unverified']):.3f} | "
-        f"{statistics.median(times['verified']):.3f} |"
+        f"| whole load | {statistics.median(times['without verify']):.3f} | "
+        f"{statistics.median(times['with verify']):.3f} |"
     )
 
 

@@ -424,3 +424,88 @@ def test_optimizer_state_corruption_fails_a_full_load_only(saved: Path, tmp_path
     results = run_on_ranks(_optimizer_bytes_body, 2, root=str(root), timeout=300)
     assert results[0] == results[1]
     assert f"{name} corrupted" in results[0] and repr(target[0]) in results[0], results[0]
+
+
+# --- the loader's own reads (ds-zero's [Note: verifying what the loader read]) ---------------------
+
+
+def _stage3_engine(seed: int = 0):
+    import ds_engine
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every weight partitioned
+    engine, *_ = ds_engine.initialize(model=make_mlp(seed), config=config(zero_optimization=zero))
+    return engine
+
+
+def _stage3_save_body(rank: int, world_size: int, *, root: str) -> None:
+    engine = _stage3_engine()
+    data = make_dataset(8)
+    engine.backward(loss_of(engine, [t[4 * rank : 4 * rank + 4] for t in data.tensors]))
+    engine.step()
+    engine.save_checkpoint(root, tag=TAG)
+
+
+def _stage3_load_body(rank: int, world_size: int, *, root: str) -> list[str]:
+    """A full and a weights-only load of a ZeRO-3 checkpoint: the error of each (every rank the
+    same), or "loaded"; a refused load changed nothing."""
+    from ds_zero import CheckpointError, GatheredParameters
+
+    engine = _stage3_engine(seed=5)
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        before = [p.detach().clone() for p in params]
+    results = []
+    for kwargs in ({}, {"load_optimizer_states": False}):
+        try:
+            engine.load_checkpoint(root, tag=TAG, **kwargs)
+        except CheckpointError as exc:
+            with GatheredParameters(params):
+                assert all(torch.equal(p, b) for p, b in zip(params, before)), kwargs
+            assert engine.global_steps == 0
+            results.append(str(exc))
+        else:
+            results.append("loaded")
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved_stage3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("integrity3") / "ckpt"
+    run_on_ranks(_stage3_save_body, 2, root=str(root), timeout=300)
+    return root
+
+
+def _flip_at(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_the_loaders_reads_are_checked_as_read(saved_stage3: Path, tmp_path: Path) -> None:
+    """ZeRO-3 shard files are checked from the loader's own mapped tensors and the bytes
+    between them (``gaps_crc32``): a flipped fp32 master is refused by both loads, naming the
+    tensor; a flipped byte of the pickle or zip headers by both; a flipped Adam moment only by
+    the full load, which reads it."""
+    from ds_zero._read_checks import gap_spans
+
+    name = "zero/zero_shards_rank00001.pt"
+    record = json.loads((saved_stage3 / TAG / "ds_manifest.json").read_text())["files"][name]
+    assert "gaps_crc32" in record
+    entries = record["tensors"]
+    master = next(n for n in entries if n.endswith("/param"))
+    moment = next(n for n in entries if n.endswith("/exp_avg"))
+    gap = gap_spans(entries, record["bytes"])[-1]  # the zip directory
+    refused = [f"{name} corrupted"]
+    cases = {  # the flipped byte, and what the full and the weights-only load say
+        "master": (entries[master]["offset"] + 1, [[*refused, repr(master)]] * 2),
+        "gap": (gap[0] + gap[1] // 2, [refused, refused]),
+        "moment": (entries[moment]["offset"] + 1, [[*refused, repr(moment)], ["loaded"]]),
+    }
+    for kind, (offset, expected) in cases.items():
+        root = tmp_path / kind
+        shutil.copytree(saved_stage3, root)
+        _flip_at(root / TAG / name, offset)
+        results = run_on_ranks(_stage3_load_body, 2, root=str(root), timeout=300)
+        assert results[0] == results[1], kind  # the same verdict on every rank
+        for got, wanted in zip(results[0], expected):
+            assert all(w in got for w in wanted), (kind, got)

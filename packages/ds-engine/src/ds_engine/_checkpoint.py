@@ -54,6 +54,7 @@ from ds_engine._moe import (
     module_state,
     save_expert_files,
 )
+from ds_engine._moe_consolidate import whole_state_dict
 from ds_zero import (
     CheckpointError,
     GatheredParameters,
@@ -322,21 +323,6 @@ def save_checkpoint(
     return Path(save_dir) / tag
 
 
-def _gathered_state(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
-    """The module's state dict with ZeRO-3 parameters gathered one at a time, on ``rank`` 0
-    (others get an empty dict). Tied parameters stay one tensor under both names."""
-    state: dict[str, torch.Tensor] = {}
-    copies: dict[int, torch.Tensor | None] = {}
-    for key, value in module.state_dict(keep_vars=True).items():
-        if id(value) not in copies:
-            with GatheredParameters([value]):  # every rank: it is a collective
-                copies[id(value)] = value.detach().cpu().clone() if rank == 0 else None
-        copy = copies[id(value)]
-        if copy is not None:
-            state[key] = copy
-    return state
-
-
 def save_16bit_model(
     engine: DeepSpeedEngine,
     save_dir: str | os.PathLike[str],
@@ -354,14 +340,13 @@ def save_16bit_model(
             "weights (or consolidate a checkpoint with ds-zero-to-fp32)"
         )
         return False
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    frozen = frozen if exclude_frozen else set()
     if is_autotp_model(engine.module):  # merged over the tensor-parallel group (collective)
         merged = gather_tp_state_dict(engine.module)
-        state = {k: v.cpu() for k, v in merged.items()} if rank == 0 else {}
-    else:
-        state = _gathered_state(engine.module, rank)
-    if exclude_frozen:
-        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-        state = {k: v for k, v in state.items() if k not in frozen}
+        state = {k: v.cpu() for k, v in merged.items() if k not in frozen} if rank == 0 else {}
+    else:  # ZeRO-3 gathered; MoE experts from every expert-parallel rank, under global ids
+        state = whole_state_dict(engine.module, exclude=frozen)
     if rank == 0:
         root = Path(save_dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -417,21 +402,35 @@ def _read_model_file(pending: PendingVerification, path: Path) -> dict[str, Any]
         return {}
 
 
-def _load_weights_from_shards(engine: DeepSpeedEngine, zero_dir: Path) -> None:
-    """The module's weights from a sharded checkpoint's fp32 masters, one tensor at a time (a
-    partitioned parameter is gathered, set and re-partitioned; every rank reads the same
-    values, so nothing else is communicated)."""
+def _load_weights_from_shards(
+    engine: DeepSpeedEngine, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """The module's weights from a sharded checkpoint's fp32 masters (``tensors``, from
+    ``iter_fp32_tensors``), one tensor at a time (a partitioned parameter is gathered, set and
+    re-partitioned; every rank reads the same values, so nothing else is communicated)."""
     # ZeRO-3 shards name experts by global id (see [Note: MoE under the engine])
     names = checkpoint_names_of(engine.module, engine.expert_groups) or {}
     named = engine.module.named_parameters(remove_duplicate=False)
     params = {names.get(n, n): p for n, p in named}
     with torch.no_grad():
-        for name, value in iter_fp32_tensors(zero_dir, verified=True):
+        for name, value in tensors:
             param = params.get(name)
             if param is None:
                 continue  # a buffer: the model file held it
             with GatheredParameters([param], modifier_rank=0):
                 param.data.copy_(value.view(param.shape))
+
+
+def _fp32_masters(
+    pending: PendingVerification, zero_dir: Path
+) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """``iter_fp32_tensors`` of ``zero_dir``, its shard files mapped and handed to the pending
+    check now; None (the error noted for the verdict) when the zero folder cannot be read."""
+    try:
+        return iter_fp32_tensors(zero_dir, verified=pending)
+    except Exception as exc:  # told to every rank at the verdict (none waits on this one)
+        pending.note(str(exc) if isinstance(exc, CheckpointError) else f"{zero_dir}: {exc}")
+        return None
 
 
 def load_checkpoint(
@@ -484,17 +483,29 @@ def load_checkpoint(
     values = None if from_shards else ("param",)
     with start_verification(path, values=values) as pending:
         state = _read_model_file(pending, path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt")
+        # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded);
+        # without the optimizer's states ZeRO-1/2 rebuild the fp32 masters from the weights
+        # and read no zero file, so none is checked (ds-zero's [Note: a path verifies what it
+        # uses]).
+        partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
+        from_masters = bool(partitioned) and not (
+            from_shards and engine._config.zero_optimization.load_from_fp32_weights
+        )
+        if not (from_shards or from_masters):
+            pending.skip(f"{_zero_dir(engine)}/")
+        masters = None
+        if from_masters and not from_shards:  # mapped (and hashed as mapped) before the verdict
+            masters = _fp32_masters(pending, path / _zero_dir(engine))
         if not from_shards:
             pending.wait()
-        # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded).
-        partitioned = _partitioned_keys(engine.module) | set(state.get("zero_shard_keys", ()))
 
         def load_module() -> None:
             _load_module(engine, path, state["module"], strict, partitioned, custom_load_fn)
-            if partitioned and not (
-                from_shards and engine._config.zero_optimization.load_from_fp32_weights
-            ):
-                _load_weights_from_shards(engine, path / _zero_dir(engine))
+            if from_masters:
+                tensors = masters
+                if tensors is None:  # after the verdict: the files are verified
+                    tensors = iter_fp32_tensors(path / _zero_dir(engine), verified=True)
+                _load_weights_from_shards(engine, tensors)
 
         if from_shards:  # read, then the verdict, then the module, then the optimizer
             load_sharded_checkpoint(

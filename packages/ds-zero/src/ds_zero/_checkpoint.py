@@ -336,6 +336,9 @@ def _topology(optimizer: Any) -> tuple[int, int, Any]:
     group = getattr(optimizer, "group", None)
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1, None
+    mics = getattr(optimizer, "mics", None)  # stage 3 over MiCS shard groups: save over all
+    if mics is not None:
+        return mics.rank, mics.world_size, mics.group
     rank = getattr(optimizer, "rank", None)
     world = getattr(optimizer, "world_size", None)
     if rank is None or world is None:
@@ -691,7 +694,11 @@ def load_sharded_checkpoint(
     manifest = verify_checkpoint(
         source, group=pg, files=not verified, pending=pending, opened=opened
     )
-    reader = ShardReader(source, manifest, opened)
+    on_open = pending.hash_loaded if pending is not None else None
+    for file, stored in opened.items():  # the checksums hash what the binding check mapped
+        if on_open is not None:
+            on_open(source / file, stored)
+    reader = ShardReader(source, manifest, opened, on_open)
 
     def settle(failure: BaseException | None) -> None:
         if pending is not None:

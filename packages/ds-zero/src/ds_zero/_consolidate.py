@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ds_zero._checkpoint import verify_checkpoint
-from ds_zero._integrity import DIRECTORY_MANIFEST, verify_directory
+from ds_zero._integrity import DIRECTORY_MANIFEST, PendingVerification, verify_directory
 from ds_zero._manifest import MANIFEST, CheckpointError, ShardReader, dtype_of
 
 __all__ = [
@@ -109,10 +109,14 @@ def _verified(source: Path) -> dict[str, Any]:
 
 
 def checkpoint_tensors(
-    source: Path, manifest: Mapping[str, Any], *, exclude_frozen: bool = False
+    source: Path,
+    manifest: Mapping[str, Any],
+    *,
+    exclude_frozen: bool = False,
+    reader: ShardReader | None = None,
 ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[tuple[str, torch.Tensor]]]:
     """What a verified checkpoint holds, and an iterator assembling it one fp32 tensor at a time
-    (see [Note: streaming consolidation]).
+    (see [Note: streaming consolidation]). ``reader``: the load's own (files already mapped).
 
     Returns:
         ``[(name, shape, saved dtype)]`` in model order (aliases left out), and an iterator of
@@ -133,12 +137,12 @@ def checkpoint_tensors(
     entries += [(name, tuple(t.shape), t.dtype) for name, t in extras.items()]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        reader = ShardReader(source, manifest)
+        shards = reader if reader is not None else ShardReader(source, manifest)
         try:
             for name in names:
-                yield name, reader.tensor(name)
+                yield name, shards.tensor(name)
         finally:
-            reader.close()
+            shards.close()
         for name, value in extras.items():
             yield name, value.float().clone() if value.is_floating_point() else value.clone()
 
@@ -155,23 +159,38 @@ def _save_atomic(obj: Any, path: Path) -> None:
 
 
 def iter_fp32_tensors(
-    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None, verified: bool = False
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    verified: bool | PendingVerification = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, fp32 tensor)`` of a verified sharded checkpoint, one tensor at a time, in model
     order; tied aliases are left out (they name the same tensor). For loading weights into a
     model whose parameters are partitioned (ZeRO stage 3) without holding the whole model.
-    ``verified``: the caller checked the files already (against the engine folder's
-    ``ds_manifest.json``): they are not checksummed again; the zero manifest's seal, bindings and
-    coverage still are.
+    The checkpoint is verified when this is called, before the first tensor is asked for.
+    ``verified``: True, the caller checked the files already (against the engine folder's
+    ``ds_manifest.json``): they are not checksummed again; a
+    :class:`~ds_zero.PendingVerification` of the engine folder, still running: the shard files
+    holding the fp32 masters are mapped now and handed to it, which hashes the masters as
+    mapped (ds-zero's [Note: verifying what the loader read]); wait for its verdict before
+    using a tensor. Either way the zero manifest's seal, bindings and coverage are checked.
 
     Example:
         >>> for name, value in ds_zero.iter_fp32_tensors("ckpts", tag="global_step100"):
         ...     print(name, tuple(value.shape))
     """
     source = resolve_checkpoint_dir(checkpoint_dir, tag)
+    if isinstance(verified, PendingVerification):
+        opened: dict[str, Mapping[str, Any]] = {}  # each shard file parsed once
+        manifest = verify_checkpoint(source, files=False, pending=verified, opened=opened)
+        reader = ShardReader(source, manifest, opened, verified.hash_loaded)
+        for file, stored in reader.open(("param",)).items():
+            verified.hash_loaded(source / file, stored)
+        _, tensors = checkpoint_tensors(source, manifest, reader=reader)
+        return tensors
     manifest = verify_checkpoint(source, files=False) if verified else _verified(source)
     _, tensors = checkpoint_tensors(source, manifest)
-    yield from tensors
+    return tensors
 
 
 def consolidate(

@@ -42,9 +42,12 @@ runs no code (``weights_only``), so an early read is safe; only using its values
 A load checks exactly the bytes it reads. A ZeRO-3 load without the optimizer's states reads
 only the fp32 masters (``<piece>/param``) of the shard files, a third of their bytes: hashing
 the rest would cost more than the load. ``start_verification(values=("param",))`` therefore
-checks, in each shard file, the chunks holding its non-tensor bytes (the pickle before the
-first tensor, the zip directory after the last) by their chunk CRC-32s, and each master outside
-those chunks by its own CRC-32; other files are checked whole. A mismatch falls back to the
+checks, in each shard file, the masters and the bytes between the tensors (the pickle, the zip
+headers and directory: ``gaps_crc32``, see [Note: verifying what the loader read]); a
+manifest without ``gaps_crc32`` has the chunks holding the file's non-tensor bytes checked by
+their chunk CRC-32s instead. Other files are checked whole. A ZeRO-1/2 load without the
+optimizer's states rebuilds the masters from the weights and reads no ``zero/`` file:
+:meth:`PendingVerification.skip` leaves them unchecked. A mismatch falls back to the
 whole-file check, so the error still names the file and the tensors. Corruption in bytes such
 a load never reads (Adam moments) is not its error; a full load, which reads them, refuses it.
 """
@@ -61,6 +64,19 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
+
+from ds_zero._read_checks import (
+    HelpedPool,
+    LoadedFile,
+    batches,
+    fusable,
+    gap_spans,
+    loaded_matches,
+    spans_crc,
+    tensor_crcs,
+    walk,
+    wanted_tensors,
+)
 
 try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's, ~3x faster), when built
     from ds_native import crc32 as _crc32
@@ -178,7 +194,7 @@ def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
     except Exception:  # not a zip-format torch file: the whole-file checksums still cover it
         return {}
     found: list[tuple[str, torch.Tensor]] = []
-    _walk(obj, "", found)
+    walk(obj, "", found)
     stored = [(n, t) for n, t in found if t.untyped_storage().nbytes() > 0]
     if not stored or not offsets:
         return {}
@@ -202,17 +218,6 @@ def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
     return index
 
 
-def _walk(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
-    if torch.is_tensor(obj):
-        out.append((prefix or "<root>", obj))
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _walk(value, f"{prefix}/{key}" if prefix else str(key), out)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _walk(value, f"{prefix}[{i}]", out)
-
-
 def file_record(path: Path, *, tensors: bool = True) -> dict[str, Any]:
     """``{"bytes", "crc32": [per chunk], "tensors": {...}}`` of the file at ``path``."""
     size = path.stat().st_size
@@ -222,6 +227,8 @@ def file_record(path: Path, *, tensors: bool = True) -> dict[str, Any]:
     }
     if tensors and path.suffix == ".pt":
         record["tensors"] = _tensor_index(path)
+        if record["tensors"]:  # the bytes between them (see [Note: verifying what the loader read])
+            record["gaps_crc32"] = spans_crc(path, gap_spans(record["tensors"], size))
     return record
 
 
@@ -537,7 +544,9 @@ class PendingVerification:
     Made by :func:`start_verification`. :meth:`wait` is the verdict, collective over the group
     (every rank calls it at the same point; all get the same answer); nothing read from the
     directory may be used before the :meth:`wait` that covers its file returned.
-    ``overlap``: a loader runs beside the checksums, so one core is left to it.
+    ``overlap``: a loader runs beside the checksums, so one core is left to it, and the files
+    it may hand over through :meth:`hash_loaded` are not hashed apart until the verdict (see
+    [Note: verifying what the loader read]).
     """
 
     def __init__(
@@ -553,8 +562,13 @@ class PendingVerification:
         self._noted: list[str] = []
         self._jobs: dict[str, list[Future[int]] | None] = {}
         self._partial: dict[str, tuple[list[int], list[str]]] = {}
+        # Files of this rank's share left for the loader (hashed apart at the verdict if it
+        # never hands them over), and those it handed over: per file, the loaded tensors'
+        # names, their dtypes and shapes, their CRC-32 jobs and the gaps' CRC-32 job.
+        self._deferred: list[str] = []
+        self._loaded: dict[str, LoadedFile] = {}
         self._verdict: dict[str, Any] | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: HelpedPool | None = None
         try:
             self.manifest = read_directory_manifest(directory)
         except CheckpointError as exc:
@@ -563,12 +577,81 @@ class PendingVerification:
         files = self.manifest["files"]
         # The smallest files first: a loader reads the model states before the big optimizer
         # shards, so the checksums read its pages with it, then run ahead of it (read-ahead
-        # from a cold disk). One core is left to the loader (``overlap``).
+        # from a cold disk). One core is left to the loader (``overlap``). The shard files,
+        # which a loader maps and reads in part, wait for it to hand them over.
         mine = sorted(_share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
         threads = _threads(reserve=1 if overlap else 0)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-verify")
+        self._pool = HelpedPool(threads)
         for name in mine:
-            self._jobs[name] = self._submit(name, files[name])
+            if overlap and _is_shard_file(name) and fusable(files[name]):
+                self._deferred.append(name)
+            else:
+                self._jobs[name] = self._submit(name, files[name])
+
+    def skip(self, folder: str) -> None:
+        """Leave the files under ``folder`` (relative to the directory, ending in ``/``)
+        unchecked: the load reads none of them (a ZeRO-1/2 load without the optimizer's states
+        rebuilds the fp32 masters from the weights; see [Note: a path verifies what it uses])."""
+        for name in [n for n in self._jobs if n.startswith(folder)]:
+            for job in self._jobs.pop(name) or ():
+                job.cancel()
+        self._deferred = [n for n in self._deferred if not n.startswith(folder)]
+
+    def hash_loaded(self, path: str | os.PathLike[str], obj: Any) -> None:
+        """Check file ``path`` of the directory from what the loader read of it: ``obj``, the
+        object ``torch.load`` returned (mapped or not), whose tensors are hashed in place on
+        the checksum threads (see [Note: verifying what the loader read]). Call it before the
+        :meth:`wait` whose verdict covers the values used; nothing happens for a file already
+        being hashed, one whose manifest lacks the tensors' bindings, or after the verdict."""
+        if self._verdict is not None or self._pool is None:
+            return
+        try:
+            name = Path(path).relative_to(self.directory).as_posix()
+        except ValueError:
+            return
+        record = self.manifest.get("files", {}).get(name)
+        if record is None or not fusable(record) or name in self._jobs or name in self._loaded:
+            return
+        wanted = set(wanted_tensors(record, _is_shard_file(name), self.values))
+        found: list[tuple[str, torch.Tensor]] = []
+        walk(obj, "", found)
+        tensors = [(n, t) for n, t in found if n in wanted and t.device.type == "cpu"]
+        meta = {n: (str(t.dtype), list(t.shape)) for n, t in tensors}
+        jobs, order = [], []
+        for batch in batches(tensors):
+            order += [n for n, _ in batch]
+            jobs.append(self._pool.submit(tensor_crcs, [t for _, t in batch]))
+        spans = gap_spans(record["tensors"], int(record["bytes"]))
+        gaps = self._pool.submit(spans_crc, self.directory / name, spans)
+        self._loaded[name] = (meta, jobs, order, gaps)
+        if name in self._deferred:
+            self._deferred.remove(name)
+
+    def _result(self, job: Future[Any]) -> Any:
+        assert self._pool is not None
+        return self._pool.result(job)
+
+    def _loaded_problem(self, name: str, record: Mapping[str, Any]) -> str | None:
+        """None when what the loader read of ``name`` (and the gaps) matches the manifest;
+        otherwise the chunk check's description, which names the file and the tensors."""
+        meta, jobs, order, gaps = self._loaded.pop(name)
+        crcs = (crc for job in jobs for crc in self._result(job))
+        loaded = {n: (*meta[n], crc) for n, crc in zip(order, crcs)}
+        try:
+            size = (self.directory / name).stat().st_size
+            same = loaded_matches(
+                record,
+                wanted_tensors(record, _is_shard_file(name), self.values),
+                loaded,
+                size,
+                self._result(gaps),
+            )
+        except (OSError, ValueError):
+            same = False
+        if same:
+            return None
+        problem = file_problem(self.directory, name, record)
+        return problem or f"{name} corrupted (what was read differs from the manifest)"
 
     def _submit(self, name: str, record: Mapping[str, Any]) -> list[Future[int]] | None:
         path = self.directory / name
@@ -596,9 +679,23 @@ class PendingVerification:
     def _problems(self) -> list[str]:
         problems, self._noted = self._noted, []
         files = self.manifest.get("files", {})
+        for name in self._deferred:  # never handed over by the loader: hashed apart now
+            self._jobs[name] = self._submit(name, files[name])
+        self._deferred = []
+        if self._pool is not None:  # the loader's core hashes too while it waits
+            jobs = [job for jobs in self._jobs.values() for job in jobs or ()]
+            jobs += [job for j in self._loaded.values() for job in (*j[1], j[3])]
+            self._pool.help(jobs)
+        for name in list(self._loaded):
+            try:
+                problem = self._loaded_problem(name, files[name])
+            except OSError as exc:
+                problem = f"{name} cannot be read: {exc}"
+            if problem is not None:
+                problems.append(problem)
         for name, jobs in self._jobs.items():
             try:
-                crcs = [job.result() for job in jobs] if jobs is not None else None
+                crcs = [self._result(job) for job in jobs] if jobs is not None else None
                 if crcs is not None and name in self._partial:
                     problem = _partial_problem(
                         self.directory, name, files[name], crcs, *self._partial[name]
@@ -647,8 +744,9 @@ class PendingVerification:
     def close(self) -> None:
         """Stop the checksum threads (the verdict is no longer wanted)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None
+        self._loaded.clear()  # it holds the loader's tensors
 
     def __enter__(self) -> PendingVerification:
         return self
@@ -669,7 +767,10 @@ def start_verification(
     it, and then :meth:`~PendingVerification.wait` at the same points. ``values``: the load
     reads only these values (e.g. ``("param",)``, the fp32 masters) of the ZeRO shard files, so
     only those bytes of them (and their non-tensor bytes) are checked (see [Note: a path
-    verifies what it uses]); None checks every byte of every file.
+    verifies what it uses]); None checks every byte of every file. A loader that maps a ZeRO
+    shard file hands it to :meth:`~PendingVerification.hash_loaded`, which checks it from the
+    mapped tensors (see [Note: verifying what the loader read]); files the load turns out not
+    to read are dropped with :meth:`~PendingVerification.skip`.
 
     Example:
         >>> with start_verification(path) as pending:

@@ -254,17 +254,37 @@ class ShardReader:
         directory: Path,
         manifest: Mapping[str, Any],
         opened: dict[str, Mapping[str, Any]] | None = None,
+        on_open: Callable[[Path, Any], None] | None = None,
     ) -> None:
         self.directory, self.manifest = directory, manifest
         # Files already mapped and unpickled (by :func:`binding_problems`): parsed once per load.
         self._open: dict[str, Mapping[str, Any]] = opened if opened is not None else {}
+        # Told of each file the reader maps itself (a pending verification hashes what was
+        # read: ds-zero's [Note: verifying what the loader read]).
+        self._on_open = on_open
 
     def _file(self, file: str) -> Mapping[str, torch.Tensor]:
         if file not in self._open:
-            self._open[file] = torch.load(
-                self.directory / file, map_location="cpu", mmap=True, weights_only=True
-            )
+            path = self.directory / file
+            self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            if self._on_open is not None:
+                self._on_open(path, self._open[file])
         return self._open[file]
+
+    def open(self, values: Sequence[str] = ("param",)) -> dict[str, Mapping[str, Any]]:
+        """Map every shard file holding a piece of ``values`` now (reading nothing else),
+        so that what a load will read is known before its first lookup; returns the mapped
+        files by name."""
+        files = {
+            file
+            for entry in self.manifest["tensors"].values()
+            if any(v in entry["values"] for v in values)
+            for file, _, start, stop in entry["pieces"]
+            if start < stop
+        }
+        for file in sorted(files):
+            self._file(file)
+        return dict(self._open)
 
     def entry(self, name: str) -> Mapping[str, Any]:
         """The manifest entry of tensor ``name`` (a :class:`CheckpointError` when absent)."""

@@ -1,0 +1,212 @@
+"""Checksums of the bytes a loader read, taken from the loader's own tensors: the second half of a
+checkpoint's verification, the one that costs no second read.
+
+[Note: verifying what the loader read]
+Hashing a checkpoint file apart from the loader reads every byte twice: once into the checksum,
+once into the loader (and, from a cold disk, the two readers compete for it). A ``.pt`` file's
+record in ``ds_manifest.json`` holds, besides its chunk CRC-32s, every tensor's CRC-32 (bound to
+its name, shape and dtype) and ``gaps_crc32``: the CRC-32 of every byte outside the tensors (the
+pickle, the zip headers and directory, the alignment padding), in file order. Tensors and gaps
+together cover every byte of the file. So a file the loader has opened is checked from what the
+loader holds: each tensor's bytes are hashed straight from the loader's tensor (its own
+allocation after a plain ``torch.load``, or its mapping of the page cache after
+``mmap=True``, whose pages the loader's copies then find mapped and cached), and only the gaps,
+a few KiB of headers, are read from the file. A load reading only some values of a ZeRO shard
+file (the fp32 masters) checks those tensors and the gaps (see [Note: a path verifies what it
+uses]). The verdict is the same as the chunk check's (every byte the load uses, bound to its
+name), and a mismatch falls back to the chunk check, whose error names the file and tensor.
+Manifests written before ``gaps_crc32`` are checked by chunks, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's), when built
+    from ds_native import crc32 as _crc32
+except ImportError:  # ds-native absent, or a release without crc32
+    from zlib import crc32 as _crc32
+
+__all__ = [
+    "HelpedPool",
+    "LoadedFile",
+    "batches",
+    "fusable",
+    "gap_spans",
+    "loaded_matches",
+    "spans_crc",
+    "tensor_crcs",
+    "walk",
+    "wanted_tensors",
+]
+
+_BATCH = 16 << 20  # bytes of tensors hashed per job
+
+# What a pending check holds of a file the loader handed over: each tensor's dtype and shape,
+# the jobs hashing them (each a list of CRC-32s), the tensors' names in the jobs' order, and
+# the job hashing the gaps.
+LoadedFile = tuple[
+    dict[str, tuple[str, list[int]]], list["Future[list[int]]"], list[str], "Future[int]"
+]
+
+
+def walk(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    """Every tensor of a loaded object with its path (``module/tok.weight``, ``p0/param``)."""
+    if torch.is_tensor(obj):
+        out.append((prefix or "<root>", obj))
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            walk(value, f"{prefix}/{key}" if prefix else str(key), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            walk(value, f"{prefix}[{i}]", out)
+
+
+def tensor_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(address, bytes)`` of what a manifest entry hashes: a contiguous tensor's own bytes,
+    else its whole storage (as ``_tensor_index`` records them)."""
+    storage = t.untyped_storage()
+    if t.is_contiguous():
+        size = t.element_size()
+        return storage.data_ptr() + int(t.storage_offset()) * size, t.numel() * size
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _tensor_crc(t: torch.Tensor) -> int:
+    address, nbytes = tensor_span(t)
+    if nbytes <= 0:
+        return 0
+    return _crc32(memoryview((ctypes.c_char * nbytes).from_address(address)))
+
+
+def tensor_crcs(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The CRC-32 of each CPU tensor's bytes (see :func:`tensor_span`), read in place."""
+    return [_tensor_crc(t) for t in tensors]
+
+
+def batches(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """``tensors`` in runs of about 16 MiB: one hashing job each (few jobs, several threads)."""
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        if size >= _BATCH:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += tensor_span(t)[1]
+    return [b for b in out if b]
+
+
+def fusable(record: Mapping[str, Any]) -> bool:
+    """Whether a file's record lets it be checked from the loader's tensors (it lists them and
+    the CRC-32 of the bytes between them)."""
+    return bool(record.get("tensors")) and "gaps_crc32" in record
+
+
+def gap_spans(tensors: Mapping[str, Mapping[str, Any]], size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of every byte range of a ``size``-byte file outside ``tensors``'
+    ``[offset, offset + nbytes)``, in file order."""
+    spans = []
+    at = 0
+    for start, stop in sorted(
+        (int(e["offset"]), int(e["offset"]) + int(e["nbytes"])) for e in tensors.values()
+    ):
+        if start > at:
+            spans.append((at, start - at))
+        at = max(at, stop)
+    if size > at:
+        spans.append((at, size - at))
+    return spans
+
+
+def spans_crc(path: Path, spans: Sequence[tuple[int, int]]) -> int:
+    """The CRC-32 of ``spans`` of ``path`` one after another (read through a mapping: only
+    their pages are touched). Raises OSError/ValueError for a file shorter than the spans."""
+    crc = 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        size = len(mapped)
+        with memoryview(mapped) as view:
+            for start, length in spans:
+                if start + length > size:
+                    raise ValueError(f"{path} is shorter than its record")
+                with view[start : start + length] as part:
+                    crc = _crc32(part, crc)
+    return crc
+
+
+def wanted_tensors(
+    record: Mapping[str, Any], shard_file: bool, values: Collection[str] | None
+) -> list[str]:
+    """The tensors of a file a load uses: all, or in a ZeRO shard file read for ``values``
+    only, the tensors of those values (see [Note: a path verifies what it uses])."""
+    entries = record.get("tensors") or {}
+    if values is None or not shard_file:
+        return list(entries)
+    return [n for n in entries if n.rsplit("/", 1)[-1] in values]
+
+
+class HelpedPool:
+    """Checksum threads whose jobs the thread waiting for them may take over: a job no thread
+    has started when :meth:`help` is called runs there (last first, as the threads take them
+    first first), so a loader waiting for the verdict hashes too instead of idling."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ds-verify")
+        self._specs: dict[Future[Any], tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+        self._taken: dict[Future[Any], Future[Any]] = {}
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` on a thread (or in :meth:`help`)."""
+        job = self._pool.submit(fn, *args)
+        self._specs[job] = (fn, args)
+        return job
+
+    def help(self, jobs: Sequence[Future[Any]]) -> None:
+        """Run here each of ``jobs`` (from the last) that no thread has started."""
+        for job in reversed(jobs):
+            spec = self._specs.get(job)
+            if spec is not None and job.cancel():
+                done: Future[Any] = Future()
+                try:
+                    done.set_result(spec[0](*spec[1]))
+                except Exception as exc:  # raised where the result is asked for
+                    done.set_exception(exc)
+                self._taken[job] = done
+
+    def result(self, job: Future[Any]) -> Any:
+        """``job``'s result, wherever it ran."""
+        return self._taken.pop(job, job).result()
+
+    def shutdown(self) -> None:
+        """Stop the threads (jobs not started are dropped) and let go of the jobs' arguments
+        (the loader's tensors)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._specs.clear()
+        self._taken.clear()
+
+
+def loaded_matches(
+    record: Mapping[str, Any],
+    wanted: Sequence[str],
+    loaded: Mapping[str, tuple[str, list[int], int]],
+    size: int,
+    gaps_crc: int,
+) -> bool:
+    """Whether a file of ``size`` bytes whose gaps hash to ``gaps_crc``, and of which the loader
+    read ``loaded`` (name -> dtype, shape, CRC-32), matches its manifest ``record`` in every
+    tensor of ``wanted`` (see [Note: verifying what the loader read])."""
+    if size != record["bytes"] or gaps_crc != record["gaps_crc32"]:
+        return False
+    entries = record["tensors"]
+    for name in wanted:
+        entry = entries[name]
+        if loaded.get(name) != (entry["dtype"], list(entry["shape"]), entry["crc32"]):
+            return False
+    return True
