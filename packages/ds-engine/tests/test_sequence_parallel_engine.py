@@ -44,9 +44,11 @@ def _full_params(engine) -> dict:
         return {n: p.detach().clone() for n, p in params.items()}
 
 
-def _train_sp(stage: int, sp: int, use_mpu: bool) -> tuple[list[float], list[dict], dict]:
+def _train_sp(stage: int, sp: int, axis: str) -> tuple[list[float], list[dict], dict]:
     """SP=``sp`` training through initialize() and the Ulysses adapter: losses and the full
-    parameters after every step."""
+    parameters after every step. ``axis``: where the sequence axis comes from: ``"config"``
+    (``sequence_parallel_size``), ``"grid"`` (a ParallelGrid mpu) or ``"state_sp"``
+    (DeepSpeed's ``parallel_state_sp`` module as the mpu, no config key)."""
     import torch
 
     import ds_comm
@@ -56,10 +58,17 @@ def _train_sp(stage: int, sp: int, use_mpu: bool) -> tuple[list[float], list[dic
     from ds_engine.utils import groups
 
     rank = ds_comm.get_rank()
-    mpu = ds_comm.ParallelGrid(sp=sp).mpu() if use_mpu else None
+    config, mpu = _sp_config(stage, sp), None
+    if axis == "grid":
+        mpu = ds_comm.ParallelGrid(sp=sp).mpu()
+    elif axis == "state_sp":
+        from ds_engine.runtime.sequence_parallel import parallel_state_sp as mpu
+
+        mpu.initialize_sequence_parallel(sp)
+        del config["sequence_parallel_size"]
     torch.manual_seed(0)
     model = TinyAttentionLM()
-    engine, *_ = ds_engine.initialize(model=model, config=_sp_config(stage, sp), mpu=mpu)
+    engine, *_ = ds_engine.initialize(model=model, config=config, mpu=mpu)
     sp_group = groups._get_sequence_parallel_group()
     # the attention takes the engine's sequence group (built by initialize from the config)
     model.attention = DistributedAttention(causal_sdpa, sp_group, gather_idx=1)
@@ -90,6 +99,10 @@ def _train_sp(stage: int, sp: int, use_mpu: bool) -> tuple[list[float], list[dic
         "group_is_engines": engine.get_sequence_parallel_group() is sp_group,
         "sp_ranks": sorted(torch.distributed.get_process_group_ranks(sp_group)),
     }
+    if axis == "state_sp":
+        from ds_engine.runtime.sequence_parallel import parallel_state_sp
+
+        parallel_state_sp._release_sequence_parallel_groups()
     return losses, params, surface
 
 
@@ -118,7 +131,7 @@ def _reference(world_size: int, sp: int) -> tuple[list[list[float]], list[dict]]
     return losses, params
 
 
-def _parity_body(rank: int, world_size: int, stages: list[int], use_mpu: bool) -> dict:
+def _parity_body(rank: int, world_size: int, stages: list[int], axis: str) -> dict:
     import ds_comm
 
     sp = 2
@@ -126,7 +139,7 @@ def _parity_body(rank: int, world_size: int, stages: list[int], use_mpu: bool) -
     replica = ds_comm.get_rank() // sp
     out = {}
     for stage in stages:
-        losses, params, surface = _train_sp(stage, sp, use_mpu)
+        losses, params, surface = _train_sp(stage, sp, axis)
         loss_error = max(abs(a - b[replica]) for a, b in zip(losses, ref_losses))
         param_error = max(
             float((p[n] - r[n]).abs().max()) for p, r in zip(params, ref_params) for n in r
@@ -138,8 +151,8 @@ def _parity_body(rank: int, world_size: int, stages: list[int], use_mpu: bool) -
     return out
 
 
-def _check_two_ranks(stages: list[int]) -> None:
-    for rank, per_stage in enumerate(run_on_ranks(_parity_body, 2, stages, False, timeout=300)):
+def _check_two_ranks(stages: list[int], axis: str) -> None:
+    for rank, per_stage in enumerate(run_on_ranks(_parity_body, 2, stages, axis, timeout=300)):
         for stage, got in per_stage.items():
             assert got["moved"] > 1e-3, (stage, got)  # the steps changed the weights
             assert got["loss"] < 1e-5 and got["param"] < 1e-5, (rank, stage, got)
@@ -149,17 +162,17 @@ def _check_two_ranks(stages: list[int]) -> None:
 
 
 def test_sp2_equals_sp1_two_ranks_zero3() -> None:
-    _check_two_ranks([3])
+    _check_two_ranks([3], "config")
 
 
 @pytest.mark.slow
-def test_sp2_equals_sp1_two_ranks_zero0_1_2() -> None:
-    _check_two_ranks([0, 1, 2])
+def test_sp2_equals_sp1_two_ranks_zero0_1_2_deepspeeds_parallel_state_sp() -> None:
+    _check_two_ranks([0, 1, 2], "state_sp")
 
 
 @pytest.mark.slow
 def test_sp2_with_zero3_over_dp2_equals_sp1_four_ranks() -> None:
-    results = run_on_ranks(_parity_body, 4, [3, 1], True, timeout=600)
+    results = run_on_ranks(_parity_body, 4, [3, 1], "grid", timeout=600)
     for rank, per_stage in enumerate(results):
         for stage, got in per_stage.items():
             assert got["moved"] > 1e-3, (stage, got)
@@ -394,3 +407,13 @@ def test_sequence_parallel_loss_in_one_process_is_the_loss() -> None:
     assert float(out) == 2.5 and loss.grad is not None and float(loss.grad) == 1.0
     with pytest.raises(ValueError, match="expected a scalar loss tensor"):
         sequence_parallel_loss(torch.ones(2), 3, None)
+
+
+def test_parallel_state_sp_says_what_is_missing() -> None:
+    from ds_engine.runtime.sequence_parallel import parallel_state_sp
+
+    with pytest.raises(RuntimeError, match="initialize_sequence_parallel"):
+        parallel_state_sp.get_sequence_parallel_group()
+    for size in (1, 0, 2.0):
+        with pytest.raises(ValueError, match="must be an integer > 1"):
+            parallel_state_sp.initialize_sequence_parallel(size)  # type: ignore[arg-type]
