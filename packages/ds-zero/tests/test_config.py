@@ -32,7 +32,8 @@ def test_defaults_are_deepspeeds() -> None:
     assert config.offload_param.pin_memory is True  # DeepSpeed pins offloaded memory by default
     assert config.zero_hpz_partition_size == 1 and not config.zero_quantized_weights
     assert not config.zero_quantized_gradients
-    assert config.unimplemented["mics_shard_size"] == -1
+    assert config.mics_shard_size == -1
+    assert config.unimplemented["mics_hierarchical_params_gather"] is False
     assert config.unimplemented["compute_grad_norm"] is True
 
 
@@ -107,7 +108,7 @@ def test_stage_3_parses() -> None:
     ("key", "value", "feature"),
     [
         ("zero_quantized_nontrainable_weights", True, "ZeRO++ quantized frozen weights"),
-        ("mics_shard_size", 8, "MiCS"),
+        ("mics_hierarchical_params_gather", True, "MiCS hierarchical gathers"),
         ("stage3_model_persistence_threshold", 10, "persistence budget"),
         ("zenflow", {"topk_ratio": 0.1}, "ZenFlow"),
         ("compute_grad_norm", False, "gradient norm"),

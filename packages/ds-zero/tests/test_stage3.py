@@ -313,7 +313,8 @@ def test_stage_3_config_reads_deepspeed_names_aliases_and_defaults() -> None:
         ({"stage": 3, "stage3_max_live_parameters": -1}, ">= 0"),
         ({"stage": 3, "zero_quantized_nontrainable_weights": True}, "not implemented"),
         ({"stage": 2, "zero_quantized_gradients": True}, "feature of stage 3"),
-        ({"stage": 3, "mics_shard_size": 8}, "not implemented"),
+        ({"stage": 3, "mics_hierarchical_params_gather": True}, "not implemented"),
+        ({"stage": 2, "mics_shard_size": 2}, "feature of stage 3"),
     ]
     for section, words in bad:
         with pytest.raises(ConfigError, match=words):

@@ -77,6 +77,7 @@ import torch.distributed as dist
 import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._core import GradientCore
+from ds_zero._mics import MicsGroups
 from ds_zero._offload import StateSwap, accepts_fp16_param_groups, default_swapper, host_zeros
 from ds_zero._optimizer import (
     _dp_rank_and_size,
@@ -175,11 +176,13 @@ class Stage3Optimizer(GradientCore):
             gradient_predivide_factor,
             communication_data_type,
         )
-        self.module, self.optimizer, self.group = model, optimizer, group
+        self.module, self.optimizer = model, optimizer
+        self.mics = MicsGroups.build(self.config, group)  # [Note: MiCS]: over its shard group
+        self.group = group if self.mics is None else self.mics.shard_group
         self.loss_scaler = loss_scaler
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clipping = float(gradient_clipping)
-        self.rank, self.world_size = _dp_rank_and_size(group)
+        self.rank, self.world_size = _dp_rank_and_size(self.group)
         self._comm_dtype = comm_dtype
         self._predivide_factor = gradient_predivide_factor
         self.partitioner = partitioner or self._partitioner_of(model)
@@ -192,6 +195,13 @@ class Stage3Optimizer(GradientCore):
         self.names = {id(p): n for n, p in named}
         self._checkpoint_names = dict(checkpoint_names or {})
         own_groups = self._partition_own_groups(named, param_group_process_groups)
+        if self.mics is not None:
+            if own_groups:
+                raise ValueError(
+                    "mics_shard_size with param_group_process_groups (MoE experts) is not "
+                    "implemented; remove one of them"
+                )
+            self.mics.broadcast(p for _, p in named)
         self.partitioner.partition(
             [p for _, p in named], names=[n for n, _ in named], broadcast_from=0
         )
@@ -209,6 +219,8 @@ class Stage3Optimizer(GradientCore):
         # ZeRO++ qwZ/hpZ: how the hooks' gathers travel, qgZ: how gradients are reduced
         # (_zeropp.py's [Note: ZeRO++])
         qgz = quantized_reduce_scatter if self.config.zero_quantized_gradients else None
+        if self.mics is not None:  # then the mean over the replicas
+            qgz = self.mics.reduce(qgz or ds_comm.reduce_scatter_tensor)
         self.partitioner.weight_comm = build_weight_comm(self.config, self.group, self.world_size)
         self.hooks = Stage3Hooks(
             model,
@@ -598,6 +610,8 @@ class Stage3Optimizer(GradientCore):
             return self._checkpoint_shards()
 
     def _checkpoint_shards(self) -> list[TensorShard]:
+        if self.mics is not None and self.mics.replica:  # the first replica saves ([Note: MiCS])
+            return []
         shards = []
         trainable = {id(p) for p in self._slots_params()}
         for name, p in self.module.named_parameters():

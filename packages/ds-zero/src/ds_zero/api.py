@@ -62,7 +62,6 @@ _REFUSED_WHEN_REQUESTED: dict[str, tuple[Any, str]] = {
     "pipeline_loading_checkpoint": (False, "pipelined checkpoint loading"),
     "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights"),
     "zeropp_loco_param": (None, "LoCo-ZeRO++"),
-    "mics_shard_size": (-1, "MiCS sharding"),
     "mics_hierarchical_params_gather": (False, "MiCS hierarchical gathers"),
     "legacy_stage1": (False, "the legacy stage 1 implementation"),
     "log_trace_cache_warnings": (False, "trace-cache warnings"),
@@ -288,8 +287,11 @@ class ZeroConfig:
             all-to-all of int8 blockwise-quantized rows instead of a reduce-scatter.
         zero_hpz_partition_size: stage 3, ZeRO++ hpZ: ranks per secondary partition (1: off);
             backward re-gathers parameters within groups of this many consecutive ranks.
+        mics_shard_size: stage 3, MiCS: ranks per shard group (-1: off); parameters, gradients
+            and optimizer state are sharded within groups of this many consecutive ranks and
+            replicated across them (see ``_mics.py``).
         unimplemented: the keys of features ds does not implement, at DeepSpeed's defaults
-            (the only values accepted): ``unimplemented["mics_shard_size"]`` is -1.
+            (the only values accepted): ``unimplemented["zenflow"]`` is None.
     """
 
     stage: int = 0
@@ -315,6 +317,7 @@ class ZeroConfig:
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = 1
+    mics_shard_size: int = -1
     unimplemented: Mapping[str, Any] = field(
         default_factory=lambda: {k: d for k, (d, _) in _REFUSED_WHEN_REQUESTED.items()},
         compare=False,
@@ -358,17 +361,31 @@ class ZeroConfig:
         self._check_zeropp()
 
     def _check_zeropp(self) -> None:
-        """ZeRO++ (qwZ, qgZ, hpZ) works on stage 3's partitioned parameters, as in DeepSpeed."""
+        """ZeRO++ (qwZ, qgZ, hpZ) and MiCS work on stage 3's partitioned parameters, as in
+        DeepSpeed."""
         asked = {
             "zero_quantized_weights": self.zero_quantized_weights,
             "zero_quantized_gradients": self.zero_quantized_gradients,
             "zero_hpz_partition_size": self.zero_hpz_partition_size > 1,
         }
+        mics = self.mics_shard_size
+        if isinstance(mics, bool) or not isinstance(mics, int) or (mics < 1 and mics != -1):
+            raise ConfigError(
+                f"{_SECTION}.mics_shard_size = {mics!r}: expected -1 (off) or the number of "
+                "ranks per shard group"
+            )
+        if mics > 0 and self.zero_hpz_partition_size > 1:
+            raise ConfigError(
+                f"{_SECTION}.mics_shard_size = {mics} and zero_hpz_partition_size = "
+                f"{self.zero_hpz_partition_size}: MiCS and hpZ are two ways of keeping gathers "
+                "within a node; set only one of them"
+            )
+        asked["mics_shard_size"] = mics > 0
         for key, on in asked.items():
             value = getattr(self, key)
             if on and self.stage != 3:
                 raise ConfigError(
-                    f"{_SECTION}.{key} = {value!r} is a ZeRO++ feature of stage 3 (it changes how "
+                    f"{_SECTION}.{key} = {value!r} is a feature of stage 3 (it changes how "
                     f"partitioned parameters and gradients travel), but stage is {self.stage}; "
                     f"set stage to 3 or remove {key}"
                 )
