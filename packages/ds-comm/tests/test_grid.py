@@ -23,6 +23,7 @@ CASES: list[tuple[dict[str, Any], dict[str, list[list[int]]]]] = [
             "ep": S,
             "edp": [[0, 1], [2, 3]],
             "sequence_data_parallel": [[0, 1], [2, 3]],
+            "replica": [[0, 2], [1, 3]],  # every axis but dp
         },
     ),
     (
@@ -35,6 +36,7 @@ CASES: list[tuple[dict[str, Any], dict[str, list[list[int]]]]] = [
             "ep": [[0], [2], [1], [3]],  # in dp-group order, as DeepSpeed creates them
             "edp": [[0, 2], [1, 3]],
             "sequence_data_parallel": [[0, 2], [1, 3]],
+            "replica": [[0, 1], [2, 3]],  # every axis but dp
         },
     ),
     (
@@ -47,6 +49,7 @@ CASES: list[tuple[dict[str, Any], dict[str, list[list[int]]]]] = [
             "ep": [[0], [2], [1], [3]],
             "edp": [[0, 2], [1, 3]],
             "sequence_data_parallel": [[0, 1, 2, 3]],
+            "replica": [[0, 1], [2, 3]],  # every axis but dp
         },
     ),
     (
@@ -59,6 +62,7 @@ CASES: list[tuple[dict[str, Any], dict[str, list[list[int]]]]] = [
             "ep": [[0, 1], [2, 3]],
             "edp": [[0, 2], [1, 3]],
             "sequence_data_parallel": [[0, 1, 2, 3]],
+            "replica": S,  # every axis but dp
         },
     ),
 ]
@@ -175,3 +179,25 @@ def test_grid_groups_on_four_ranks() -> None:
             for name, axis in {**mpu_axes, "edp": "edp"}.items():
                 assert res["mpu"][name] == res["pos"][axis], (rank, name)
             assert res["mpu"]["same_groups"]
+
+
+def test_layout_rank_arithmetic_is_the_topologys() -> None:
+    from ds_comm import PipeModelDataParallelTopology, ProcessTopology
+    from ds_comm._grid import ParallelGrid
+
+    layout = ParallelLayout(8, pp=2, dp=2, tp=2)
+    deepspeed = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert isinstance(layout.topology, ProcessTopology)
+    for rank in range(8):
+        coord = deepspeed.get_coord(rank)
+        assert layout.coord(rank) == {
+            "pp": coord.pipe,
+            "dp": coord.data,
+            "sp": 0,
+            "tp": coord.model,
+        }
+        assert layout.ranks_of("tp", rank) == next(
+            g for g in deepspeed.get_axis_comm_lists("model") if rank in g
+        )
+    with pytest.raises(ValueError, match=r"axes \['expert'\] have no ParallelGrid axis"):
+        ParallelGrid.from_topology(ProcessTopology(["pipe", "expert"], [1, 2]))

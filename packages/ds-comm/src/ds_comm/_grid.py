@@ -10,23 +10,36 @@ order) is cut into runs of ``ep`` consecutive members (the expert-parallel group
 the members at the same position of each run form the expert-data-parallel group (``'edp'``).
 Combined groups: ``'model_parallel'`` is ``'tp'`` (Megatron's mpu meaning, see [Note: model
 parallel means the 'model' axis]), ``'data_parallel'`` is ``'dp'`` and
-``'sequence_data_parallel'`` spans ``sp x dp`` (what ZeRO reduces over under Ulysses).
+``'sequence_data_parallel'`` spans ``sp x dp`` (what ZeRO reduces over under Ulysses) and
+``'replica'`` spans every axis but ``dp`` (``pp x sp x tp``: the ranks holding one model replica,
+DeepSpeed's ``PipelineParallelGrid`` model-parallel group).
+
+[Note: one rank arithmetic]
+The rank <-> coordinate map is :class:`~ds_comm.ProcessTopology`'s, and only its: a layout is a
+``ProcessTopology`` over ``order`` (:attr:`ParallelLayout.topology`). DeepSpeed's pipeline
+topologies name the same axes ``pipe``/``data``/``model`` (:data:`DEEPSPEED_AXES`);
+:meth:`ParallelGrid.from_topology` builds the grid of such a topology, which is how ds-comm's
+``ProcessGrid`` (and through it ds-pipe's ``PipelineModule`` and DeepSpeed's
+``PipelineParallelGrid``) get their groups.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GRID_AXES", "GridMpu", "ParallelGrid", "ParallelLayout"]
+from ds_comm._topology import ProcessTopology
+
+__all__ = ["DEEPSPEED_AXES", "GRID_AXES", "GridMpu", "ParallelGrid", "ParallelLayout"]
 
 #: Every name :meth:`ParallelLayout.ranks_of` accepts.
-GRID_AXES = ("pp", "dp", "sp", "tp", "ep", "edp", "sequence_data_parallel")
+GRID_AXES = ("pp", "dp", "sp", "tp", "ep", "edp", "sequence_data_parallel", "replica")
 _ORDERED = ("pp", "dp", "sp", "tp")
 _ALIASES = {"model_parallel": "tp", "data_parallel": "dp"}
+#: DeepSpeed's topology axis names (``PipeModelDataParallelTopology``) -> the grid's.
+DEEPSPEED_AXES = {"pipe": "pp", "data": "dp", "model": "tp"}
 
 
 class ParallelLayout:
@@ -83,10 +96,12 @@ class ParallelLayout:
         self.world_size = world_size
         self.ep = ep
         self.order = tuple(order)
-        dims = [self.sizes[a] for a in self.order]
-        self._coords = [dict(zip(self.order, c)) for c in itertools.product(*map(range, dims))]
+        #: The rank <-> coordinate map (see [Note: one rank arithmetic]).
+        self.topology = ProcessTopology(self.order, [self.sizes[a] for a in self.order])
+        self._coords = [self.topology.get_coord(r)._asdict() for r in range(world_size)]
         self._lists: dict[str, list[list[int]]] = {a: self._span([a]) for a in _ORDERED}
         self._lists["sequence_data_parallel"] = self._span(["sp", "dp"])
+        self._lists["replica"] = self._span(["pp", "sp", "tp"])
         runs = [dp_ranks[i : i + ep] for dp_ranks in self._lists["dp"] for i in range(0, dp, ep)]
         self._lists["ep"] = runs
         self._lists["edp"] = [dp_ranks[j::ep] for dp_ranks in self._lists["dp"] for j in range(ep)]
@@ -192,6 +207,28 @@ class ParallelGrid:
     def mpu(self) -> GridMpu:
         """DeepSpeed's / Megatron's mpu interface over this grid (``mpu=`` of initialize)."""
         return GridMpu(self)
+
+    @classmethod
+    def from_topology(
+        cls, topology: ProcessTopology, *, group_factory: GroupFactory = dist.new_group
+    ) -> ParallelGrid:
+        """The grid of a DeepSpeed topology whose axes are among ``pipe``/``data``/``model``
+        (``PipeDataParallelTopology``, ``PipeModelDataParallelTopology``): same sizes, same
+        rank order (collective, like the constructor).
+
+        Raises:
+            ValueError: an axis outside :data:`DEEPSPEED_AXES`.
+        """
+        unknown = [a for a in topology.get_axis_names() if a not in DEEPSPEED_AXES]
+        if unknown:
+            raise ValueError(
+                f"{topology!r}: axes {unknown} have no ParallelGrid axis; a grid topology names "
+                f"its axes among {sorted(DEEPSPEED_AXES)} (pipe -> pp, data -> dp, model -> tp)"
+            )
+        named = [DEEPSPEED_AXES[a] for a in topology.get_axis_names()]
+        sizes = {axis: topology.get_dim(name) for name, axis in zip(topology.axes, named)}
+        order = [*named, *(a for a in _ORDERED if a not in named)]
+        return cls(**sizes, order=order, group_factory=group_factory)
 
 
 def _accessors(axis: str) -> tuple[Any, Any, Any]:

@@ -175,8 +175,12 @@ class ProcessGrid:
 
     Constructing it is collective: every rank of the default group must construct the same grid,
     because each group is created (``group_factory(ranks=...)``) on every rank in the same order,
-    members or not. Axes are built in topology order, then any of ``pipe``/``data``/``model`` the
-    topology lacks as singleton groups (DeepSpeed's grid does the same for model parallelism of 1).
+    members or not. A topology whose axes are DeepSpeed's ``pipe``/``data``/``model`` (every
+    pipeline's) takes its groups from the :class:`~ds_comm.ParallelGrid` of the same layout
+    (:attr:`parallel_grid`), so the pipeline, tensor, sequence and expert features share one set
+    of groups; an axis the topology lacks gets the grid's singleton groups, as DeepSpeed's grid
+    does for model parallelism of 1. A topology with other axis names (a generic cartesian
+    layout, e.g. ``['expert', 'data']``) gets one group per axis from its own comm lists.
 
     Args:
         topology: the rank layout; its world size must equal the default group's.
@@ -199,10 +203,27 @@ class ProcessGrid:
         self._coord = topology.get_coord(self.rank)
         self._groups: dict[str, Any] = {}
         self._ranks: dict[str, list[int]] = {}
-        singleton_lists = [[r] for r in range(world_size)]
-        axes = [*topology.axes, *(a for a in _MPU_AXES if a not in topology.axes)]
+        #: The ParallelGrid the groups come from (None for a topology with non-grid axes).
+        self.parallel_grid: Any = None
+        if all(axis in _MPU_AXES for axis in topology.axes):
+            self._groups_from_parallel_grid(group_factory)
+        else:
+            self._groups_per_axis(group_factory)
+
+    def _groups_from_parallel_grid(self, group_factory: GroupFactory) -> None:
+        from ds_comm._grid import DEEPSPEED_AXES, ParallelGrid  # _grid imports this module
+
+        grid = ParallelGrid.from_topology(self.topology, group_factory=group_factory)
+        self.parallel_grid = grid
+        for axis in _MPU_AXES:
+            self._groups[axis] = grid.get_group(DEEPSPEED_AXES[axis])
+            self._ranks[axis] = grid.ranks_of(DEEPSPEED_AXES[axis])
+
+    def _groups_per_axis(self, group_factory: GroupFactory) -> None:
+        singleton_lists = [[r] for r in range(self.topology.world_size())]
+        axes = [*self.topology.axes, *(a for a in _MPU_AXES if a not in self.topology.axes)]
         for axis in axes:
-            lists = topology.get_axis_comm_lists(axis) or singleton_lists
+            lists = self.topology.get_axis_comm_lists(axis) or singleton_lists
             for ranks in lists:
                 group = group_factory(ranks=ranks)
                 if self.rank in ranks:
