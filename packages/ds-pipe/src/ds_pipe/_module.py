@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ds_comm
-from ds_comm import Mpu, PipeDataParallelTopology, ProcessGrid, ProcessTopology
+from ds_comm import Mpu, ParallelGrid, PipeDataParallelTopology, ProcessGrid, ProcessTopology
 from ds_pipe._layer_checkpoint import layer_checkpoint_name, load_layer_state, save_layer_state
 from ds_pipe._partition import PartitionMethod, format_partition, layer_name, partition_layers
 from ds_pipe._spec import LayerSpec, TiedLayerSpec, get_tied_attr
@@ -272,8 +272,13 @@ class PipelineModule(nn.Module):
 
     @property
     def grid(self) -> ProcessGrid:
-        """This rank's process groups per axis."""
+        """This rank's process groups per axis (DeepSpeed's axis names)."""
         return self._grid
+
+    @property
+    def parallel_grid(self) -> ParallelGrid:
+        """The ds-comm ``ParallelGrid`` every group of :attr:`grid` comes from (pp, dp, tp)."""
+        return self._grid.parallel_grid
 
     def mpu(self) -> Mpu:
         """The Megatron-style mpu over the grid (model parallel = the ``'model'`` axis)."""
@@ -477,6 +482,12 @@ def _resolve_topology(
             raise ValueError(
                 f"{topology!r} has no 'pipe' axis; use PipeDataParallelTopology or "
                 "PipeModelDataParallelTopology"
+            )
+        unknown = [a for a in topology.get_axis_names() if a not in ("pipe", "data", "model")]
+        if unknown:
+            raise NotImplementedError(
+                f"{topology!r}: pipeline axes {unknown} are not implemented in ds; a pipeline "
+                "topology has 'pipe', 'data' and 'model' axes (ds_comm.ParallelGrid's pp, dp, tp)"
             )
         pipe = topology.get_dim("pipe")
         if num_stages is not None and num_stages != pipe:
