@@ -22,6 +22,7 @@ import torch
 import ds_comm
 import ds_zero
 from ds_comm.accelerator import get_accelerator
+from ds_engine._moe_consolidate import whole_state_dict
 from ds_zero import GatheredParameters, OffloadStateTypeEnum
 
 __all__ = ["EngineSurface", "replace_config"]
@@ -299,17 +300,8 @@ class EngineSurface:
             )
         rank = ds_comm.get_rank() if ds_comm.is_initialized() else 0
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-        state: OrderedDict[str, torch.Tensor] = OrderedDict()
-        copies: dict[int, torch.Tensor | None] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if exclude_frozen_parameters and key in frozen:
-                continue
-            if id(value) not in copies:  # tied weights stay one tensor under both names
-                with GatheredParameters([value] if _is_partitioned(value) else []):
-                    copies[id(value)] = value.detach().cpu().clone() if rank == 0 else None
-            copy = copies[id(value)]
-            if copy is not None:
-                state[key] = copy
+        # MoE experts from every expert-parallel rank, under their global ids (the whole model)
+        state = whole_state_dict(self.module, exclude=frozen if exclude_frozen_parameters else ())
         return state if rank == 0 else None
 
     def _consolidated_16bit_state_dict(
