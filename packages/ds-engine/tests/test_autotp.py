@@ -107,6 +107,32 @@ class _GPT2Block(nn.Module):
         return x + self.mlp(x)
 
 
+class _Phi3Attention(nn.Module):
+    """Phi-3's attention: one ``qkv_proj`` of q (4 heads) | k | v (2 key/value heads each); the
+    query width read from the (shared) ``config``; per-head views with ``-1``."""
+
+    def __init__(self, dim: int = 8, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.head_dim, self.num_key_value_heads = dim // heads, kv_heads
+        self.qkv_proj = nn.Linear(dim, (heads + 2 * kv_heads) * (dim // heads), bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q_end = self.config.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        q, k, v = qkv[..., :q_end], qkv[..., q_end : q_end + kv], qkv[..., q_end + kv :]
+        q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(att.transpose(1, 2).reshape(b, t, -1))
+
+
 class _GateUp(nn.Module):
     """A Phi-3-style MLP: one fused ``gate_up_proj`` chunked in two."""
 
@@ -202,6 +228,7 @@ def _autotp_body(rank: int, world_size: int) -> dict:
     result = {"block": _check_parity(_Block, torch.randn(2, 5, 8, dtype=torch.float64))}
     result["gpt2"] = _check_parity(_GPT2Block, torch.randn(2, 5, 8, dtype=torch.float64))
     result["gate_up"] = _check_parity(_GateUp, torch.randn(3, 6, dtype=torch.float64))
+    result["phi3"] = _check_parity(_Phi3Attention, torch.randn(2, 5, 8, dtype=torch.float64))
     result["custom"] = _check_parity(
         _Custom, torch.randn(3, 4, dtype=torch.float64), {"a": "column", "b": "row"}
     )
@@ -246,6 +273,7 @@ def test_tp2_matches_single_process_and_merges_back() -> None:
         "mlp.c_proj:Row",
     ]
     assert results[0]["gate_up"] == ["down_proj:Row", "gate_up_proj:Col"]
+    assert results[0]["phi3"] == ["o_proj:Row", "qkv_proj:Col"]
     assert results[0]["heads"] == 2
     assert results[0]["gpt"] == [
         f"blocks.{i}.mlp.{j}.{w}"

@@ -1,5 +1,6 @@
 """AutoTP training of unmodified transformers models (tiny, built from a config: no downloads):
-GPT-2 (fused ``c_attn`` Conv1D, tied head) and Llama (grouped-query attention, gated MLP) trained
+GPT-2 (fused ``c_attn`` Conv1D, tied head), Llama (grouped-query attention, gated MLP) and Phi-3
+(fused grouped-query ``qkv_proj``, fused ``gate_up_proj``) trained
 by the engine with ``tensor_parallel.autotp_size = 2`` match the single-process model step by
 step. Skipped where transformers is not installed (it is in the ``clients`` dependency group)."""
 
@@ -31,6 +32,24 @@ def make_model(kind: str) -> torch.nn.Module:
             eos_token_id=0,
         )
         return transformers.GPT2LMHeadModel(config)
+    if kind == "phi3":  # fused qkv_proj (grouped-query widths) and gate_up_proj
+        config = transformers.Phi3Config(
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        return transformers.Phi3ForCausalLM(config)
     config = transformers.LlamaConfig(
         hidden_size=16,
         intermediate_size=32,
@@ -108,6 +127,7 @@ def _hf_body(rank: int, world_size: int, *, kind: str, stage: int) -> dict:
             ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
         ),
         ("gpt2", 4, 2, ["c_attn", "c_fc", "c_proj"]),
+        ("phi3", 2, 1, ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]),
     ],
 )
 def test_transformers_model_tp2_matches_single_process(

@@ -10,6 +10,7 @@ recognise stay whole (replicated), which is always correct, only not sharded.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,8 +47,9 @@ _COLUMN_NAMES = frozenset(
     }
 )
 _ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "w2", "c_proj"})
-# Fused projections: parts split one by one (GPT-2 c_attn = q|k|v; gate_up_proj = gate|up).
-_FUSED_NAMES = {"c_attn": "qkv", "gate_up_proj": "gate_up"}
+# Fused projections: parts split one by one (GPT-2 c_attn and Phi-3 qkv_proj = q|k|v, with
+# grouped-query k/v widths from the parent's head_dim/num_key_value_heads; gate_up_proj).
+_FUSED_NAMES = {"c_attn": "qkv", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 _PARTS = {"qkv": 3, "gate_up": 2}
 # Integer head-count attributes divided by tp_size on the parent of a column-split projection
 # (split_size: GPT-2's per-part width of the fused c_attn output).
@@ -115,11 +117,23 @@ def _features(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
-def _sections(name: str, module: nn.Module, choice: str) -> tuple[int, ...] | None:
+def _sections(
+    name: str, module: nn.Module, choice: str, parent: nn.Module
+) -> tuple[int, ...] | None:
     if choice not in _PARTS:
         return None
     parts = _PARTS[choice]
     out = _features(module)[1]
+    head_dim = getattr(parent, "head_dim", None)
+    kv_heads = getattr(parent, "num_key_value_heads", None)
+    if choice == "qkv" and isinstance(head_dim, int) and isinstance(kv_heads, int):
+        kv = head_dim * kv_heads  # grouped-query attention: q|k|v of unequal widths
+        if out - 2 * kv <= 0:
+            raise ValueError(
+                f"tp_model_init: {name!r} has out_features={out}, not q plus 2 x "
+                f"{kv_heads} key/value heads of {head_dim}"
+            )
+        return (out - 2 * kv, kv, kv)
     if out % parts:
         raise ValueError(
             f"tp_model_init: {name!r} ({choice}) has out_features={out}, not {parts} equal parts"
@@ -189,6 +203,21 @@ def _divide_heads(module: nn.Module, name: str, tp_size: int) -> None:
                     f"tp_size={tp_size}"
                 )
             setattr(module, attr, value // tp_size)
+    config = getattr(module, "config", None)
+    if isinstance(getattr(config, "num_attention_heads", None), int):
+        # transformers modules that read head counts from their config (Phi-3's qkv split)
+        # get a copy of their own with the local counts; the model's config stays whole.
+        local = copy.copy(config)
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % tp_size:
+                    raise ValueError(
+                        f"tp_model_init: {name or 'model'}.config.{attr}={value} is not "
+                        f"divisible by tp_size={tp_size}"
+                    )
+                setattr(local, attr, value // tp_size)
+        setattr(module, "config", local)  # noqa: B010 (nn.Module.__setattr__ typing)
 
 
 def tp_model_init(
@@ -226,7 +255,10 @@ def tp_model_init(
     tp_rank = ds_comm.get_rank(group)
     plan = _plan(model, policy)
     modules = dict(model.named_modules())
-    sections = {name: _sections(name, modules[name], choice) for name, choice in plan.items()}
+    sections = {
+        name: _sections(name, modules[name], choice, modules[name.rpartition(".")[0]])
+        for name, choice in plan.items()
+    }
     _check_untied(model, plan)
     for name, choice in plan.items():
         _check_divisible(name, modules[name], choice, tp_size, sections[name])
