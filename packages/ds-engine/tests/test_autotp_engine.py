@@ -266,6 +266,10 @@ def _refusal_body(rank: int, world_size: int) -> list[str]:
     x, y = dataset(2).tensors
     engine.backward(F.mse_loss(engine(x), y))
     engine.step()
+    other, *_ = ds_engine.initialize(model=make_block(), config=_config(1, 2, 2))
+    with pytest.raises(RuntimeError) as info:  # tp peers fed different batches
+        other(x + rank)
+    errors.append(str(info.value))
     return errors
 
 
@@ -275,6 +279,7 @@ def test_refusals_name_the_key_and_a_tp_model_init_model_is_kept() -> None:
     assert "autotp_size = 3 does not divide the world size 2" in errors[1]
     assert "tensor_parallel.dtype = 'bf16' conflicts" in errors[2]
     assert "model-parallel group has 1 ranks" in errors[3]
+    assert "given different inputs in their first forward" in errors[4]
 
 
 def test_unimplemented_tensor_parallel_keys_stay_refused() -> None:

@@ -10,7 +10,9 @@ sees it. Everything else is the engine's existing model-parallel path, driven by
 
 - ZeRO (stages 0/1/2) reduces and partitions over the mpu's data-parallel group only;
 - the loader splits batches by data-parallel rank, so the tp peers of one replica read the same
-  micro-batch (what column/row-parallel layers need);
+  micro-batch (what column/row-parallel layers need); as DeepSpeed does, the first forward
+  compares the inputs over the tp group (a digest of every tensor argument) and raises when
+  the peers were fed different batches, instead of training on garbage;
 - the gradient norm sums the shards' squares over the tp group and counts a replicated
   parameter on tp rank 0 only (``model_parallel_norm_options``): each element once;
 - checkpoints write one ``mp_rank_<tp>`` model file and ``zero_mp<tp>`` shards per tp rank and
@@ -171,4 +173,48 @@ def apply_autotp(model: nn.Module, config: Any, mpu: Any) -> Any:
         _check_sharded(model, size, group)
     else:
         tp_model_init(model, size, _model_dtype(model), tp_group=group)
+    _check_first_inputs(model, group)
     return mpu
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _check_first_inputs(model: nn.Module, group: Any) -> None:
+    """A one-shot forward pre-hook: the tp peers' first inputs must be the same batch."""
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        tensors = _tensors((args, kwargs))
+        device = tensors[0].device if tensors else torch.device("cpu")
+        digest = torch.zeros(4, dtype=torch.float64, device=device)
+        for t in tensors:
+            values = t.detach().to(torch.float64)
+            digest += torch.stack(
+                [
+                    values.new_tensor(1.0),
+                    values.new_tensor(t.numel()),
+                    values.sum(),
+                    values.square().sum(),
+                ]
+            )
+        size = ds_comm.get_world_size(group)
+        parts = [torch.empty_like(digest) for _ in range(size)]
+        ds_comm.all_gather(parts, digest, group=group)
+        if any(not torch.equal(p, parts[0]) for p in parts):
+            raise RuntimeError(
+                "tensor_parallel.autotp_size: the tensor-parallel ranks of one replica were "
+                f"given different inputs in their first forward (group ranks {_ranks(group)}); "
+                "they must see the same micro-batch: use the engine's loader (training_data= "
+                "or deepspeed_io), which splits by data-parallel rank, or split your data by "
+                "engine.dp_rank / engine.dp_world_size"
+            )
+
+    handle = model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
