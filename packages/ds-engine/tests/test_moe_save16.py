@@ -30,6 +30,10 @@ def _save_body(rank: int, world_size: int, *, root: str, stage: int) -> dict:
     tm._train_steps(engine, rank, range(3))
     assert engine.save_16bit_model(root, "model.bin")
     consolidated = engine._zero3_consolidated_16bit_state_dict() if stage == 3 else None
+    if consolidated is not None:  # docs/moe.md's safetensors recipe: the dict, on rank 0
+        import ds_zero
+
+        ds_zero.export_safetensors(consolidated, Path(root) / "hf", progress=False)
     with torch.no_grad():
         probe = engine(tm._tokens(PROBE, rank)).item()
     return {"state": tm._global_state(engine), "probe": probe, "consolidated": consolidated}
@@ -66,3 +70,8 @@ def test_save_16bit_model_holds_every_expert_by_global_id(
         assert list(consolidated) == list(saved)
         assert all(torch.equal(consolidated[k], v) for k, v in saved.items())
         assert all(r["consolidated"] is None for r in results[1:])
+        from safetensors.torch import load_file
+
+        exported = load_file(tmp_path / "hf" / "model.safetensors")
+        assert exported.keys() == saved.keys()
+        assert all(torch.equal(exported[k], v) for k, v in saved.items())
