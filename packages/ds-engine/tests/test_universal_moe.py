@@ -50,17 +50,38 @@ def _resume_body(rank: int, world: int, model: str, stage: int, load: str) -> li
     return fx.train(engine, 3, 3, rank, world, "fp32")
 
 
-@pytest.mark.parametrize("model", [pytest.param("moe", marks=pytest.mark.slow), "moe-ep1"])
+def test_moe_universal_names_experts_globally(tmp_path: Path) -> None:
+    """``ds-to-universal`` on DeepSpeed's MoE checkpoint (ep_size 2, ZeRO-2, 2 ranks): each
+    expert whole under its global id, its state equal to the expert's slice of the rank file
+    that held it, the expert files copied, both groups' hyper-parameters kept."""
+    from ds_engine._deepspeed_ckpt import load_file
+
+    source = fx.FIXTURES / "moe_zero2_w2" / "step3"
+    out = _universal(source, tmp_path / "step3_universal")
+    for rank in (0, 1):  # rank r holds global expert r as its local expert 0 (ep_size 2)
+        optim = load_file(source / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        flat = optim["optimizer_state_dict"]["single_partition_of_fp32_groups"][1]
+        moment = optim["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["exp_avg"]
+        saved = torch.load(out / "zero" / f"{EXPERT}.{rank}.weight" / "fp32.pt")["param"]
+        assert saved.shape == (16, 16)
+        assert torch.equal(saved.flatten(), flat[:256])
+        exp_avg = torch.load(out / "zero" / f"{EXPERT}.{rank}.weight" / "exp_avg.pt")["param"]
+        assert torch.equal(exp_avg.flatten(), moment[:256])
+        copied = out / f"layer_0_expert_{rank}_mp_rank_00_model_states.pt"
+        assert copied.read_bytes() == (source / copied.name).read_bytes()
+    assert not (out / "zero" / f"{EXPERT}.2.weight").exists()
+    groups = load_file(out / "zero" / "optimizer_state.pt")["param_groups"]
+    assert len(groups) == 2 and all(g["weight_decay"] == 0.01 for g in groups)  # dense, experts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["moe", "moe-ep1"])
 def test_deepspeed_moe_checkpoint_through_universal(model: str, tmp_path: Path) -> None:
     """DeepSpeed 0.19.8's MoE checkpoint (ep_size 2, ZeRO-2, 2 ranks), converted by
     ``ds-to-universal``, resumes in ds at ZeRO-1 with ep_size 2 and with ep_size 1 on
     DeepSpeed's own next losses."""
     case = fx.expected()["cases"]["moe_zero2_w2"]
-    out = _universal(fx.FIXTURES / "moe_zero2_w2" / "step3", tmp_path / "step3_universal")
-    for expert in (0, 1):  # each expert under its global id, whole
-        saved = torch.load(out / "zero" / f"{EXPERT}.{expert}.weight" / "fp32.pt")
-        assert saved["param"].shape == (16, 16)
-    assert (out / "layer_0_expert_1_mp_rank_00_model_states.pt").is_file()
+    _universal(fx.FIXTURES / "moe_zero2_w2" / "step3", tmp_path / "step3_universal")
     got = run_on_ranks(_resume_body, 2, model, 1, str(tmp_path), timeout=240)[0]
     torch.testing.assert_close(got, case["resumed_losses"], rtol=RTOL, atol=0)
 
@@ -72,7 +93,12 @@ def _native3_body(rank: int, world: int, model: str, stage: int, out: str) -> li
     return tw._train(engine, model, 3, 3, rank, world, "fp32")
 
 
-_DS_CASES = [("moe", 2, "moe-ep1", 1), ("moe-multi", 2, "moe-multi", 1), ("moe", 0, "moe", 2)]
+_DS_CASES = [
+    ("moe", 2, "moe-ep1", 1),
+    ("moe-multi", 2, "moe-multi", 1),
+    ("moe", 0, "moe", 2),
+    ("moe-multi", 3, "moe-multi", 1),  # ds's ZeRO-3 MoE (its manifest names experts globally)
+]
 
 
 @pytest.mark.slow
