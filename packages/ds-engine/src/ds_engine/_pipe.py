@@ -190,8 +190,12 @@ class PipelineDeepSpeedEngine(EngineSurface, PipelineDataEfficiencyMixin):
 
     def _place(self, module: Any, device_rank: int | None) -> None:
         """Ranks, sizes and the device, as the engine's (the module's grid is the mpu)."""
+        from ds_engine.utils import groups  # (lazily, as the engine does)
+
         self.grid = module.grid
         self.mpu = module.mpu()
+        groups.mpu = self.mpu  # deepspeed.utils.groups answers from the module's ParallelGrid
+        groups.register_expert_groups(())
         self.dp_rank = self.grid.axis_rank("data")
         self.dp_world_size = self.grid.axis_world_size("data")
         self.seq_dp_world_size = self.dp_world_size

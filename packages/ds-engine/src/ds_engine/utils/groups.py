@@ -7,6 +7,14 @@ engine was given (``groups.mpu = mpu``, as DeepSpeed's engine does; None for pur
 parallelism), and :func:`register_expert_groups` records ds-moe's expert groups. Without an mpu
 the data-parallel group is every rank, the model-parallel world is one rank and there is no
 sequence-parallel group. The ``_get_*`` names are DeepSpeed's (private there, used by clients).
+
+[Note: groups read the one grid]
+When the engine's mpu carries a ``ds_comm.ParallelGrid`` (the mpu ``initialize()`` builds for
+``tensor_parallel.autotp_size`` / ``sequence_parallel_size``, a pipeline's ``PipelineModule.mpu()``
+and ``PipelineParallelGrid``), the data, tensor, pipeline and sequence accessors answer from that
+grid (:func:`get_parallel_grid`), so they name the very groups the features run on. A client's
+own mpu (Megatron's ``parallel_state``) without a grid is asked directly, as DeepSpeed does.
+Expert accessors answer from ds-moe's registered expert groups, by ``ep_size_<n>`` name.
 """
 
 from __future__ import annotations
@@ -17,11 +25,17 @@ from typing import Any
 import torch.distributed as dist
 
 import ds_comm
+from ds_comm import ParallelGrid
 
 __all__ = [
     "mpu",
     "initialize",
     "register_expert_groups",
+    "get_parallel_grid",
+    # pipeline parallel (ds's: DeepSpeed asks the mpu)
+    "_get_pipe_parallel_group",
+    "_get_pipe_parallel_world_size",
+    "_get_pipe_parallel_rank",
     # data parallel
     "_get_data_parallel_group",
     "_get_data_parallel_group_ranks",
@@ -88,6 +102,20 @@ def register_expert_groups(groups: Iterable[Any]) -> None:
         _expert_groups[group.name] = group
 
 
+def get_parallel_grid() -> ParallelGrid | None:
+    """The ``ds_comm.ParallelGrid`` of the engine's mpu (see [Note: groups read the one grid]):
+    the mpu itself, its ``grid`` (a ``GridMpu``), or the ``parallel_grid`` of its grid or of a
+    ``PipelineParallelGrid``; None without one."""
+    if isinstance(mpu, ParallelGrid):
+        return mpu
+    for holder in (mpu, getattr(mpu, "grid", None)):
+        for attr in ("grid", "parallel_grid"):
+            found = getattr(holder, attr, None)
+            if isinstance(found, ParallelGrid):
+                return found
+    return None
+
+
 def _require_dist(what: str) -> None:
     if not ds_comm.is_initialized():
         raise RuntimeError(
@@ -102,6 +130,8 @@ def _require_dist(what: str) -> None:
 def _get_data_parallel_group() -> Any:
     """The data-parallel group: the mpu's, else every rank (``dist.group.WORLD``)."""
     _require_dist("the data-parallel group")
+    if (grid := get_parallel_grid()) is not None:
+        return grid.get_group("dp")
     if mpu is not None:
         return mpu.get_data_parallel_group()
     return dist.group.WORLD
@@ -110,6 +140,8 @@ def _get_data_parallel_group() -> Any:
 def _get_data_parallel_group_ranks() -> Sequence[int]:
     """Global ranks of this rank's data-parallel group."""
     _require_dist("the data-parallel group")
+    if (grid := get_parallel_grid()) is not None:
+        return grid.ranks_of("dp")
     if mpu is not None and hasattr(mpu, "get_data_parallel_group_ranks"):
         return mpu.get_data_parallel_group_ranks()
     return dist.get_process_group_ranks(_get_data_parallel_group())
@@ -118,6 +150,8 @@ def _get_data_parallel_group_ranks() -> Sequence[int]:
 def _get_data_parallel_world_size() -> int:
     """Ranks in the data-parallel group."""
     _require_dist("the data-parallel world size")
+    if (grid := get_parallel_grid()) is not None:
+        return grid.axis_world_size("dp")
     if mpu is not None:
         return mpu.get_data_parallel_world_size()
     return ds_comm.get_world_size()
@@ -126,6 +160,8 @@ def _get_data_parallel_world_size() -> int:
 def _get_data_parallel_rank() -> int:
     """This rank's index in the data-parallel group."""
     _require_dist("the data-parallel rank")
+    if (grid := get_parallel_grid()) is not None:
+        return grid.axis_rank("dp")
     if mpu is not None:
         return mpu.get_data_parallel_rank()
     return ds_comm.get_rank()
@@ -160,17 +196,23 @@ def _need_mpu(what: str) -> Any:
 
 
 def get_tensor_model_parallel_group() -> Any:
-    """The tensor (model) parallel group, from the mpu."""
+    """The tensor (model) parallel group: the grid's ``tp``, else the mpu's."""
+    if (grid := get_parallel_grid()) is not None:
+        return grid.get_group("tp")
     return _need_mpu("the tensor-parallel group").get_model_parallel_group()
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """Ranks in the tensor-parallel group, from the mpu."""
+    """Ranks in the tensor-parallel group: the grid's ``tp``, else the mpu's."""
+    if (grid := get_parallel_grid()) is not None:
+        return grid.axis_world_size("tp")
     return _need_mpu("the tensor-parallel world size").get_model_parallel_world_size()
 
 
 def get_tensor_model_parallel_rank() -> int:
-    """This rank's index in the tensor-parallel group, from the mpu."""
+    """This rank's index in the tensor-parallel group: the grid's ``tp``, else the mpu's."""
+    if (grid := get_parallel_grid()) is not None:
+        return grid.axis_rank("tp")
     return _need_mpu("the tensor-parallel rank").get_model_parallel_rank()
 
 
@@ -190,7 +232,10 @@ get_model_parallel_rank = get_tensor_model_parallel_rank
 
 
 def _get_sequence_parallel_group() -> Any:
-    """The sequence-parallel group of an mpu that has one; KeyError otherwise (DeepSpeed's)."""
+    """The sequence-parallel group: the grid's ``sp``, else an mpu's that has one; KeyError
+    otherwise (DeepSpeed's)."""
+    if (grid := get_parallel_grid()) is not None:
+        return grid.get_group("sp")
     if mpu is None or not hasattr(mpu, "get_sequence_parallel_group"):
         raise KeyError(
             "No sequence parallel group found: the mpu given to deepspeed.initialize() has no "
@@ -199,40 +244,68 @@ def _get_sequence_parallel_group() -> Any:
     return mpu.get_sequence_parallel_group()
 
 
+def _from_grid_or_mpu(axis: str, what: str, fallback: Any) -> Any:
+    """``what`` (``group``/``rank``/``world_size``) of ``axis``: the grid's, else the mpu's
+    ``get_<mpu name>_<what>()`` when it has one, else ``fallback()``."""
+    if (grid := get_parallel_grid()) is not None:
+        if what == "group":
+            return grid.get_group(axis)
+        return grid.axis_rank(axis) if what == "rank" else grid.axis_world_size(axis)
+    names = {"sp": "sequence_parallel", "pp": "pipe_parallel"}
+    getter = getattr(mpu, f"get_{names.get(axis, axis)}_{what}", None)
+    return getter() if getter is not None else fallback()
+
+
 def _get_sequence_parallel_world_size() -> int:
     """Ranks in the sequence-parallel group (1 without one)."""
-    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
-        return mpu.get_sequence_parallel_world_size()
-    return 1
+    return _from_grid_or_mpu("sp", "world_size", lambda: 1)
 
 
 def _get_sequence_parallel_rank() -> int:
     """This rank's index in the sequence-parallel group (0 without one)."""
-    if mpu is not None and hasattr(mpu, "get_sequence_parallel_rank"):
-        return mpu.get_sequence_parallel_rank()
-    return 0
+    return _from_grid_or_mpu("sp", "rank", lambda: 0)
 
 
 def _get_sequence_data_parallel_group() -> Any:
     """The group ZeRO shards over with sequence parallelism (data x sequence), else the
     data-parallel group."""
-    if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_group"):
-        return mpu.get_sequence_data_parallel_group()
-    return _get_data_parallel_group()
+    return _from_grid_or_mpu("sequence_data_parallel", "group", _get_data_parallel_group)
 
 
 def _get_sequence_data_parallel_world_size() -> int:
     """Ranks in :func:`_get_sequence_data_parallel_group`."""
-    if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_world_size"):
-        return mpu.get_sequence_data_parallel_world_size()
-    return _get_data_parallel_world_size()
+    return _from_grid_or_mpu("sequence_data_parallel", "world_size", _get_data_parallel_world_size)
 
 
 def _get_sequence_data_parallel_rank() -> int:
     """This rank's index in :func:`_get_sequence_data_parallel_group`."""
-    if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_rank"):
-        return mpu.get_sequence_data_parallel_rank()
-    return _get_data_parallel_rank()
+    return _from_grid_or_mpu("sequence_data_parallel", "rank", _get_data_parallel_rank)
+
+
+# --- pipeline parallel (ds's: DeepSpeed's module has none; its clients ask the mpu) ------------
+
+
+def _get_pipe_parallel_group() -> Any:
+    """The group of this rank's pipeline (every stage of its replica): the grid's ``pp``, else
+    the mpu's ``get_pipe_parallel_group()``; KeyError without either."""
+
+    def missing() -> Any:
+        raise KeyError(
+            "No pipeline parallel group found: the engine's mpu has no ParallelGrid and no "
+            "get_pipe_parallel_group()"
+        )
+
+    return _from_grid_or_mpu("pp", "group", missing)
+
+
+def _get_pipe_parallel_world_size() -> int:
+    """Pipeline stages (1 without a pipeline)."""
+    return _from_grid_or_mpu("pp", "world_size", lambda: 1)
+
+
+def _get_pipe_parallel_rank() -> int:
+    """This rank's pipeline stage (0 without a pipeline)."""
+    return _from_grid_or_mpu("pp", "rank", lambda: 0)
 
 
 # --- expert parallel ---------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """DeepSpeed's ``PipelineParallelGrid``: a rank's pipeline, data and model-parallel groups.
 
 [Note: DeepSpeed's grid over ds-comm's]
-``ds_comm.ProcessGrid`` builds one group per topology axis (and singleton groups for a missing
-``pipe``/``data``/``model`` axis, as DeepSpeed's grid does for model parallelism of 1). This class
-adds what DeepSpeed's grid has on top, with DeepSpeed's names and meanings:
+Every group comes from the job's one ``ds_comm.ParallelGrid`` (:attr:`PipelineParallelGrid.
+parallel_grid`, built from the topology: pipe -> pp, data -> dp, model -> tp, through
+``ds_comm.ProcessGrid``); this class only names them as DeepSpeed does:
 
 - its *model-parallel* group is every rank holding one model replica (the ranks sharing this
-  rank's ``data`` coordinate: pipe x model), which DeepSpeed's engine uses to agree on overflow
-  and norms; Megatron's tensor slicing is the *slice* group (the ``model`` axis);
+  rank's ``data`` coordinate: pipe x model, the grid's ``replica`` axis), which DeepSpeed's
+  engine uses to agree on overflow and norms; Megatron's tensor slicing is the *slice* group
+  (the ``model`` axis, the grid's ``tp``);
 - ``p2p_groups``: for every rank, ``[rank, next stage's rank]``, wrapping around;
 - no topology: the world size's prime factors dealt alternately to pipe and data, as DeepSpeed
   does (4 ranks: 2 stages x 2 replicas; 2 ranks: 2 stages).
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_comm import PipeDataParallelTopology, ProcessGrid, ProcessTopology
+from ds_comm import ParallelGrid, PipeDataParallelTopology, ProcessGrid, ProcessTopology
 
 __all__ = ["PipelineParallelGrid"]
 
@@ -61,7 +62,8 @@ class PipelineParallelGrid:
     Raises:
         ValueError: a topology whose size is not the world size, or without a ``pipe`` or
             ``data`` axis.
-        NotImplementedError: a ``process_group`` other than None.
+        NotImplementedError: a ``process_group`` other than None, or an axis other than
+            ``pipe``/``data``/``model``.
 
     Example:
         >>> grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=2))
@@ -82,8 +84,16 @@ class PipelineParallelGrid:
             raise ValueError(
                 f"PipelineParallelGrid needs 'pipe' and 'data' axes; {topo!r} lacks {missing}"
             )
+        unknown = [a for a in topo.get_axis_names() if a not in ("pipe", "data", "model")]
+        if unknown:
+            raise NotImplementedError(
+                f"PipelineParallelGrid: axes {unknown} of {topo!r} are not implemented in ds; "
+                "a pipeline topology has 'pipe', 'data' and optionally 'model' axes"
+            )
         self._topo = topo
-        self._grid = ProcessGrid(topo)  # pipe, data and model groups (checks the world size)
+        self._grid = ProcessGrid(topo)  # from the ParallelGrid (checks the world size)
+        #: The ds-comm ParallelGrid every group here comes from.
+        self.parallel_grid: ParallelGrid = self._grid.parallel_grid
         self.data_parallel_size = max(topo.get_dim("data"), 1)
         self.pipe_parallel_size = max(topo.get_dim("pipe"), 1)
         self.model_parallel_size = max(topo.get_dim("model"), 1)
@@ -107,14 +117,11 @@ class PipelineParallelGrid:
         self.p2p_groups = self._build_p2p_groups()
 
     def _build_replica_groups(self) -> None:
-        """One group per data coordinate: the ranks holding that model replica."""
-        for replica in range(self.data_parallel_size):
-            ranks = sorted(self._topo.get_axis_list(axis="data", idx=replica))
-            group = dist.new_group(ranks=ranks)
-            if self.global_rank in ranks:
-                self.ds_model_proc_group = group
-                self.ds_model_world_size = len(ranks)
-                self.ds_model_rank = ranks.index(self.global_rank)
+        """This rank's model replica (every rank sharing its data coordinate): the grid's."""
+        ranks = self.parallel_grid.ranks_of("replica")
+        self.ds_model_proc_group = self.parallel_grid.get_group("replica")
+        self.ds_model_world_size = len(ranks)
+        self.ds_model_rank = ranks.index(self.global_rank)
 
     def _build_p2p_groups(self) -> list[list[int]]:
         """``[rank, rank of the next stage]`` for every rank, the last stage wrapping to 0."""
