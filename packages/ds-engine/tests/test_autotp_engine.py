@@ -138,7 +138,7 @@ def _train_body(
         engine.step()
         gx, gy = _gather_batch([x, y], dp_group)
         ref_opt.zero_grad()
-        ref_loss = F.mse_loss(reference(gx), gy)
+        ref_loss = F.mse_loss(reference(gx.cpu()), gy.cpu())  # the reference runs on the CPU
         ref_loss.backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP))
         ref_opt.step()
@@ -152,7 +152,7 @@ def _train_body(
     assert merged.keys() == ref_state.keys()
     for key, value in ref_state.items():
         assert merged[key].shape == value.shape, key
-        worst = max(worst, ((merged[key] - value).abs().max() / value.abs().max()).item())
+        worst = max(worst, ((merged[key].cpu() - value).abs().max() / value.abs().max()).item())
     result = {"split": split, "worst": worst, "norms": norms}
     if save_dir is not None:
         result["checkpoint"] = _checkpoint_round_trip(engine, batches, save_dir, stage, tp, micro)

@@ -41,7 +41,7 @@ def _full_params(engine) -> dict:
 
     params = dict(engine.module.named_parameters())
     with ds_zero.GatheredParameters(list(params.values())):
-        return {n: p.detach().clone() for n, p in params.items()}
+        return {n: p.detach().cpu().clone() for n, p in params.items()}  # the reference's device
 
 
 def _train_sp(stage: int, sp: int, axis: str) -> tuple[list[float], list[dict], dict]:
