@@ -19,14 +19,14 @@ import test_moe as tm
 PROBE = 99  # the batch step whose loss the saved model must reproduce
 
 
-def _save_body(rank: int, world_size: int, *, root: str, stage: int) -> dict:
-    """Train 3 steps at ep_size=2, save the 16-bit model; this rank's gathered weights (global
+def _save_body(rank: int, world_size: int, *, root: str, stage: int, ep_size: int) -> dict:
+    """Train 3 steps at ``ep_size``, save the 16-bit model; this rank's gathered weights (global
     names), its loss on the probe batch and (stage 3) the consolidated state dict."""
     import ds_engine
 
     config = tm._config3(stage)
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    engine, *_ = ds_engine.initialize(model=tm._full_model(2, seed=0), config=config)
+    engine, *_ = ds_engine.initialize(model=tm._full_model(ep_size, seed=0), config=config)
     tm._train_steps(engine, rank, range(3))
     assert engine.save_16bit_model(root, "model.bin")
     consolidated = engine._zero3_consolidated_16bit_state_dict() if stage == 3 else None
@@ -40,21 +40,24 @@ def _save_body(rank: int, world_size: int, *, root: str, stage: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("world_size", "stage"),
+    ("world_size", "stage", "ep_size"),
     [
-        (2, 3),
-        pytest.param(2, 2, marks=pytest.mark.slow),
-        pytest.param(4, 2, marks=pytest.mark.slow),
-        pytest.param(4, 3, marks=pytest.mark.slow),
+        (2, 3, 2),
+        pytest.param(2, 2, 2, marks=pytest.mark.slow),
+        pytest.param(4, 2, 2, marks=pytest.mark.slow),
+        pytest.param(4, 3, 2, marks=pytest.mark.slow),
+        pytest.param(4, 3, 4, marks=pytest.mark.slow),  # one replica per expert
     ],
 )
 def test_save_16bit_model_holds_every_expert_by_global_id(
-    tmp_path: Path, world_size: int, stage: int
+    tmp_path: Path, world_size: int, stage: int, ep_size: int
 ) -> None:
     """The file loads with strict=True into a fresh ep_size=1 model, equals the trained
     engine's gathered weights exactly (keys in the ep_size=1 model's order) and reproduces
     every rank's loss on a new batch."""
-    results = run_on_ranks(_save_body, world_size, root=str(tmp_path), stage=stage, timeout=300)
+    results = run_on_ranks(
+        _save_body, world_size, root=str(tmp_path), stage=stage, ep_size=ep_size, timeout=300
+    )
     trained = tm._merged([r["state"] for r in results])
     saved = torch.load(tmp_path / "model.bin", weights_only=True)
     model = tm._model(1, seed=7)
