@@ -208,6 +208,20 @@ class ParallelGrid:
         """DeepSpeed's / Megatron's mpu interface over this grid (``mpu=`` of initialize)."""
         return GridMpu(self)
 
+    @staticmethod
+    def of(unit: Any) -> ParallelGrid | None:
+        """The ParallelGrid behind an mpu-like ``unit``: the grid itself, a ``GridMpu``'s, the
+        ``parallel_grid`` of a ``ProcessGrid``, of an ``Mpu`` over one or of DeepSpeed's
+        ``PipelineParallelGrid``; None for a unit without one (Megatron's ``parallel_state``)."""
+        if isinstance(unit, ParallelGrid):
+            return unit
+        for holder in (unit, getattr(unit, "grid", None)):
+            for attr in ("grid", "parallel_grid"):
+                found = getattr(holder, attr, None)
+                if isinstance(found, ParallelGrid):
+                    return found
+        return None
+
     @classmethod
     def from_topology(
         cls, topology: ProcessTopology, *, group_factory: GroupFactory = dist.new_group
