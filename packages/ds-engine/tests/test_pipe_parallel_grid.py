@@ -181,3 +181,41 @@ def test_pipeline_groups_are_the_parallel_grids_on_pp2_dp2() -> None:
         assert all("['expert']" in m and "not implemented" in m for m in res["refused"])
         for got, want in res["losses"]:
             assert math.isclose(got, want, rel_tol=1e-5), res["losses"]
+
+
+def _expert_body(rank: int, world_size: int) -> dict[str, Any]:
+    import ds_comm
+    import ds_engine
+    import ds_moe
+    from ds_engine.utils import groups
+
+    grid = ds_comm.ParallelGrid(dp=4, ep=2)
+    moe = nn.Sequential(ds_moe.MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=2))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
+    ds_engine.initialize(model=moe, config=config, mpu=grid.mpu())
+    try:
+        return {
+            "grid": groups.get_parallel_grid() is grid,
+            "same": [
+                groups._get_expert_parallel_group("ep_size_2") is grid.get_group("ep"),
+                groups._get_expert_data_parallel_group("ep_size_2") is grid.get_group("edp"),
+                groups._get_data_parallel_group() is grid.get_group("dp"),
+            ],
+            "ranks": (
+                list(groups._get_expert_parallel_group_ranks("ep_size_2")),
+                list(groups._get_expert_data_parallel_group_ranks("ep_size_2")),
+            ),
+            "want": (grid.ranks_of("ep"), grid.ranks_of("edp")),
+        }
+    finally:
+        groups.mpu = None
+
+
+def test_engine_expert_groups_are_its_grids_on_four_ranks() -> None:
+    for rank, res in enumerate(run_on_ranks(_expert_body, 4)):
+        assert res["grid"] and all(res["same"]), (rank, res)
+        assert (
+            res["ranks"]
+            == res["want"]
+            == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2])
+        )

@@ -54,6 +54,10 @@ def configure_experts(model: nn.Module, mpu: Any) -> Any:
     ds_moe = sys.modules.get("ds_moe")
     if ds_moe is None or not ds_moe.has_moe_layers(model)[0]:
         return None
+    grid = ds_comm.ParallelGrid.of(mpu)
+    if grid is not None:  # the engine's one grid: ep/edp laid out (and reused) from it
+        groups = ds_moe.ExpertParallelGroups(grid=grid)
+        return ds_moe.configure_expert_parallelism(model, groups=groups)
     return ds_moe.configure_expert_parallelism(model, mpu=mpu)
 
 

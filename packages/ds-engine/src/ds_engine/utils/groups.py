@@ -106,14 +106,7 @@ def get_parallel_grid() -> ParallelGrid | None:
     """The ``ds_comm.ParallelGrid`` of the engine's mpu (see [Note: groups read the one grid]):
     the mpu itself, its ``grid`` (a ``GridMpu``), or the ``parallel_grid`` of its grid or of a
     ``PipelineParallelGrid``; None without one."""
-    if isinstance(mpu, ParallelGrid):
-        return mpu
-    for holder in (mpu, getattr(mpu, "grid", None)):
-        for attr in ("grid", "parallel_grid"):
-            found = getattr(holder, attr, None)
-            if isinstance(found, ParallelGrid):
-                return found
-    return None
+    return ParallelGrid.of(mpu)
 
 
 def _require_dist(what: str) -> None:
