@@ -103,8 +103,10 @@ def _write_body(
 
     engine = _engine(model, stage, dtype, world)
     _train(engine, model, 0, 3, rank, world, dtype)
+    # world_size is DeepSpeed's data-parallel size: its ranks over the two pipeline stages
+    dp_world = target_world // 2 if model == "pipe2" else target_world
     save_deepspeed_checkpoint(
-        engine, out, client_state=CLIENT, world_size=target_world, stage=target_stage
+        engine, out, client_state=CLIENT, world_size=dp_world, stage=target_stage
     )
     return _train(engine, model, 3, 2, rank, world, dtype)
 
