@@ -12,13 +12,16 @@ mode, from the same initial weights on the same batches:
 * ``qwZ+qgZ``: both;
 * ``hpZ``: ``zero_hpz_partition_size = --hpz`` (default: half the ranks), the backward's
   re-gathers within groups of that many ranks;
-* ``ZeRO++``: all three.
+* ``ZeRO++``: all three;
+* ``MiCS``: ``mics_shard_size = --hpz``: stage 3 within shard groups of that many ranks, the
+  reduced gradient shards all-reduced across the groups (the "all-reduce" column).
 
 The bytes are ds-comm's comms logger's (``ds_comm.get_comms_logger().summary()``): per op, the
 bytes each rank puts on the wire (``msg_bytes * (n - 1) / n``, nccl-tests' bus factor; see
 ``ds_comm/_logger.py``), averaged over the timed steps and the ranks. "gather" is the parameter
-all-gathers (over all ranks; ``hpZ`` in-group ones in their own column), "reduce" the gradient
-reduction (reduce-scatter, or all-to-all under qgZ). Every parameter travels through the stage 3
+all-gathers (over all ranks; those within hpZ's or MiCS's groups in their own column),
+"reduce" the gradient reduction (reduce-scatter, or all-to-all under qgZ), "all-reduce" the
+rest (MiCS's replica reduction; the gradient norm's few bytes in every mode). Every parameter travels through the stage 3
 hooks (persistence threshold 0), so the fp32 baseline moves the whole model each way. The step
 time is the median over the timed steps of the slowest rank. Targets: qwZ cuts the gather bytes
 and qgZ the reduce bytes at least 3x against ``zero3``.
@@ -58,6 +61,7 @@ MODES: dict[str, dict[str, Any]] = {
     "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
     "hpZ": {"hpz": True},
     "ZeRO++": {"zero_quantized_weights": True, "zero_quantized_gradients": True, "hpz": True},
+    "MiCS": {"mics": True},
 }
 
 
@@ -74,6 +78,8 @@ def _section(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     extra = dict(MODES[mode])
     if extra.pop("hpz", False):
         extra["zero_hpz_partition_size"] = args.hpz
+    if extra.pop("mics", False):
+        extra["mics_shard_size"] = args.hpz
     return {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,
@@ -86,14 +92,14 @@ def _section(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _bytes(summary: list[Any], world: int) -> dict[str, float]:
     """Wire bytes by column: gathers over all ranks, gathers within hpZ groups, reductions."""
-    out = {"gather": 0.0, "gather_hpz": 0.0, "reduce": 0.0, "other": 0.0}
+    out = {"gather": 0.0, "gather_hpz": 0.0, "reduce": 0.0, "all_reduce": 0.0}
     for row in summary:
         if "all_gather" in row.op:
             out["gather" if row.group_size == world else "gather_hpz"] += row.wire_bytes
         elif "reduce_scatter" in row.op or "all_to_all" in row.op:
             out["reduce"] += row.wire_bytes
         else:
-            out["other"] += row.wire_bytes
+            out["all_reduce"] += row.wire_bytes
     return out
 
 
@@ -166,12 +172,12 @@ def print_table(results: Mapping[str, Mapping[str, Any]], args: argparse.Namespa
     print(
         f"\nZeRO++ vs fp32 ZeRO-3: GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}, "
         f"batch {args.batch}x{args.seq} per rank, {args.world_size} gloo ranks, hpZ groups of "
-        f"{args.hpz}, {args.steps} timed steps"
+        f"{args.hpz} (MiCS: shard groups of {args.hpz}), {args.steps} timed steps"
     )
     head = (
-        f"{'mode':>8} | {'gather MiB':>10} | {'vs zero3':>8} | {'hpZ-group MiB':>13} | "
-        f"{'reduce MiB':>10} | {'vs zero3':>8} | {'step s':>7} | {'vs zero3':>8} | "
-        f"{'loss':>7}"
+        f"{'mode':>8} | {'gather MiB':>10} | {'vs zero3':>8} | {'in-group MiB':>12} | "
+        f"{'reduce MiB':>10} | {'vs zero3':>8} | {'all-reduce MiB':>14} | {'step s':>7} | "
+        f"{'vs zero3':>8} | {'loss':>7}"
     )
     print(head + "\n" + "-" * len(head))
 
@@ -183,15 +189,15 @@ def print_table(results: Mapping[str, Mapping[str, Any]], args: argparse.Namespa
         d = ratio(r["reduce"], base["reduce"]) if base else "-"
         t = f"{r['step_s'] / base['step_s']:7.2f}x" if base else "-"
         print(
-            f"{mode:>8} | {r['gather'] / MIB:10.2f} | {g:>8} | {r['gather_hpz'] / MIB:13.2f} | "
-            f"{r['reduce'] / MIB:10.2f} | {d:>8} | {r['step_s']:7.3f} | {t:>8} | "
-            f"{r['loss']:7.4f}"
+            f"{mode:>8} | {r['gather'] / MIB:10.2f} | {g:>8} | {r['gather_hpz'] / MIB:12.2f} | "
+            f"{r['reduce'] / MIB:10.2f} | {d:>8} | {r['all_reduce'] / MIB:14.2f} | "
+            f"{r['step_s']:7.3f} | {t:>8} | {r['loss']:7.4f}"
         )
     print(
         "(MiB per step each rank puts on the wire; 'vs zero3' of the bytes is the reduction "
-        "factor, of the step time the slowdown; gather: all-gathers over all ranks, hpZ-group: "
-        "within hpZ's groups; reduce: reduce-scatter or qgZ's all-to-all; loss: the last step's, "
-        "mean over ranks)"
+        "factor, of the step time the slowdown; gather: all-gathers over all ranks, in-group: "
+        "within hpZ's or MiCS's groups; reduce: reduce-scatter or qgZ's all-to-all; all-reduce: "
+        "MiCS's replica reduction and the gradient norm; loss: the last step's, mean over ranks)"
     )
     if base:
         for mode, column in (("qwZ", "gather"), ("qgZ", "reduce")):
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.hpz == 0:
         args.hpz = max(1, args.world_size // 2)
     if args.hpz == 1:
-        args.modes = [m for m in args.modes if "hpz" not in MODES[m]]
+        args.modes = [m for m in args.modes if not {"hpz", "mics"} & set(MODES[m])]
     with tempfile.TemporaryDirectory(prefix="ds-bench-zeropp-") as tmp:
         mp.spawn(_bench_rank, args=(args, tmp), nprocs=args.world_size)
         results = json.loads(Path(tmp, "results.json").read_text())
