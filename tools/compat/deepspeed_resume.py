@@ -53,12 +53,15 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     ]
 
 
-def build(model: str, stage: int, dtype: str, world: int):
-    """A fresh DeepSpeed engine for ``model``, seeded away from the checkpoint's values."""
+def build(model: str, stage: int, dtype: str, world: int, universal: bool = False):
+    """A fresh DeepSpeed engine for ``model``, seeded away from the checkpoint's values
+    (``universal``: with ``checkpoint.load_universal``)."""
     import deepspeed
 
     # pipe2: one data-parallel rank, so the whole global batch is one micro-batch
     cfg = maker.config(stage, dtype, 1 if model == "pipe2" else world)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     torch.manual_seed(99)
     if model in ("pipe", "pipe2"):
         module = maker._pipe_model(num_stages=2 if model == "pipe2" else 1)
@@ -94,7 +97,7 @@ def _train(engine, model: str, first: int, steps: int, rank: int, world: int, dt
 def _worker(rank: int, world: int, args: dict, port: int, queue) -> None:
     maker.init_deepspeed_rank(rank, world, port)
     try:
-        engine = build(args["model"], args["stage"], args["dtype"], world)
+        engine = build(args["model"], args["stage"], args["dtype"], world, args["universal"])
         path, client = engine.load_checkpoint(args["load"], tag=None)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {args['load']}")
@@ -115,13 +118,16 @@ def _worker(rank: int, world: int, args: dict, port: int, queue) -> None:
         queue.put(result)
 
 
-def resume(load: str, model: str, world: int, stage: int, dtype: str, steps: int) -> dict:
+def resume(
+    load: str, model: str, world: int, stage: int, dtype: str, steps: int, universal: bool = False
+) -> dict:
     """DeepSpeed resumes ``load`` on ``world`` ranks: its next ``steps`` losses."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     args = {"load": load, "model": model, "stage": stage, "dtype": dtype, "steps": steps}
+    args["universal"] = universal
     port = 29300 + os.getpid() % 300
     procs = [ctx.Process(target=_worker, args=(r, world, args, port, queue)) for r in range(world)]
     for p in procs:
@@ -140,8 +146,13 @@ def main() -> None:
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--dtype", default="fp32", choices=maker.DTYPES)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--universal", action="store_true", help="load the universal folder latest_universal names"
+    )
     args = parser.parse_args()
-    result = resume(args.load, args.model, args.world, args.stage, args.dtype, args.steps)
+    result = resume(
+        args.load, args.model, args.world, args.stage, args.dtype, args.steps, args.universal
+    )
     print("RESULT " + json.dumps(result))
     sys.exit(1 if "error" in result else 0)
 

@@ -119,3 +119,28 @@ def test_ds_moe_checkpoint_through_universal(
     _universal(save_dir / tag, save_dir / f"{tag}_universal")
     got = run_on_ranks(_resume_body, 2, loaded, load_stage, str(save_dir), timeout=240)[0]
     torch.testing.assert_close(got, continued, rtol=RTOL, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fx.DSREF_PYTHON.exists(), reason=f"no DeepSpeed at {fx.DSREF_PYTHON}")
+def test_deepspeed_loads_ds_moe_universal_at_ep_size_1(tmp_path: Path) -> None:
+    """Real DeepSpeed loads ds's MoE universal folder where its loader can: ``ep_size`` 1
+    (global and local expert names agree). ds (2 ranks, ZeRO-2) -> ``ds-to-universal`` ->
+    DeepSpeed (2 ranks, ZeRO-1, ``checkpoint.load_universal``) continues ds's 3 losses."""
+    import json
+    import os
+    import subprocess
+
+    save_dir = tmp_path / "ds"
+    continued = run_on_ranks(_native3_body, 2, "moe-ep1", 2, str(save_dir), timeout=240)[0]
+    tag = (save_dir / "latest").read_text().strip()
+    _universal(save_dir / tag, save_dir / f"{tag}_universal")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
+    command = [str(fx.DSREF_PYTHON), str(tw.RESUMER), str(save_dir), "--model", "moe-ep1"]
+    command += ["--world", "2", "--stage", "1", "--steps", "3", "--universal"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert "error" not in result and result["first_step"] == 3, result
+    torch.testing.assert_close(result["losses"], continued, rtol=RTOL, atol=0)
