@@ -184,6 +184,8 @@ _VARIANTS = [
     ("moe-multi", "fp32", (2, 1), (2, 2)),
     ("moe", "fp32", (2, 3), (2, 2)),  # ds's ZeRO-3 MoE (DeepSpeed runs MoE at 0-2 only)
     ("moe-multi", "fp32", (2, 3), (2, 1)),
+    ("moe", "bf16", (2, 2), (2, 2)),
+    ("moe-multi", "bf16", (2, 1), (2, 1)),
     # two pipeline stages on two ranks (one data-parallel rank each)
     ("pipe2", "fp32", (2, 1), (2, 1)),
     ("pipe2", "fp32", (2, 0), (2, 0)),
