@@ -216,3 +216,23 @@ def test_deepspeed_written_checkpoint(case: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     _equal(state, torch.load(tmp_path / "ref.pt", weights_only=True))
+
+
+def _rank0_alone_body(rank: int, world_size: int, folder: str) -> dict | None:
+    """Rank 0 alone consolidates while the 2-rank process group exists (``if rank == 0:
+    convert_zero_checkpoint_to_fp32_state_dict(...)`` after training): verification must not
+    wait for rank 1, which never calls it."""
+    import ds_comm
+    from ds_engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    got = None
+    if rank == 0:
+        got = get_fp32_state_dict_from_zero_checkpoint(folder, tag="step2")
+    ds_comm.barrier()
+    return got
+
+
+def test_one_rank_consolidates_alone_under_a_process_group(saved) -> None:
+    folder, want = saved
+    got = run_on_ranks(_rank0_alone_body, 2, str(folder), timeout=120)[0]
+    _equal(got, want)

@@ -175,3 +175,22 @@ def test_consolidation_maps_shard_files_instead_of_reading_them(
         ("zero_shards_rank00000.pt", True),
         ("zero_shards_rank00001.pt", True),
     ]
+
+
+def test_several_model_parallel_folders_are_refused_not_one_taken(tmp_path: Path) -> None:
+    """An AutoTP checkpoint holds one zero_mpXX folder per tensor-parallel rank: taking the
+    first for the model would return rank 0's shards as if they were the whole weights."""
+    from ds_zero._consolidate import resolve_checkpoint_dir
+    from ds_zero._manifest import CheckpointError
+    from ds_zero._recovery_script import _zero_dirs
+
+    for name in ("zero_mp00", "zero_mp01"):
+        (tmp_path / "step1" / name).mkdir(parents=True)
+        (tmp_path / "step1" / name / "manifest.json").write_text("{}")
+    with pytest.raises(
+        CheckpointError, match=r"zero_mp00, zero_mp01.*deepspeed\.utils\.zero_to_fp32"
+    ):
+        resolve_checkpoint_dir(tmp_path, tag="step1")
+    assert resolve_checkpoint_dir(tmp_path / "step1" / "zero_mp01").name == "zero_mp01"
+    with pytest.raises(ValueError, match="2 model-parallel ZeRO folders"):
+        _zero_dirs(str(tmp_path / "step1"))

@@ -55,7 +55,6 @@ from ds_zero._integrity import (
     DIRECTORY_MANIFEST,
     CheckpointError,
     PendingVerification,
-    agree,
     check_seal,
     is_complete,
     load_file,
@@ -77,6 +76,7 @@ from ds_zero._manifest import (
     write_hashed,
     write_manifest,
 )
+from ds_zero._ranks import agree, ranks_in
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero.api import ConfigError
 
@@ -616,10 +616,7 @@ def verify_checkpoint(
         >>> verify_checkpoint("ckpt/step100")["world_size"]
     """
     source = Path(path)
-    if dist.is_available() and dist.is_initialized():
-        rank, world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
-    else:
-        rank, world = 0, 1
+    rank, world = ranks_in(group)
     manifest: dict[str, Any] = {}
     try:
         manifest = read_manifest(source)

@@ -34,6 +34,7 @@ import torch
 from ds_zero._checkpoint import verify_checkpoint
 from ds_zero._integrity import DIRECTORY_MANIFEST, PendingVerification, verify_directory
 from ds_zero._manifest import MANIFEST, CheckpointError, ShardReader, dtype_of
+from ds_zero._ranks import THIS_PROCESS
 
 __all__ = [
     "CheckpointView",
@@ -60,6 +61,15 @@ def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], tag: str | No
     if tag is None and (root / _LATEST).is_file():
         tag = (root / _LATEST).read_text().strip()
     base = root / tag if tag else root
+    parallel = sorted(p.name for p in base.glob("zero_mp*") if (p / MANIFEST).is_file())
+    if not (base / MANIFEST).is_file() and len(parallel) > 1:
+        raise CheckpointError(
+            f"{str(base)!r} holds {len(parallel)} model-parallel ZeRO folders "
+            f"({', '.join(parallel)}): a tensor-parallel (AutoTP) checkpoint, whose shards must "
+            "be merged by its tp_layout, not one folder taken for the model; use "
+            "deepspeed.utils.zero_to_fp32 (ds-engine), which merges them, or pass one zero_mp "
+            "folder for that rank's shards"
+        )
     for candidate in (base, base / "zero", *sorted(base.glob("zero_mp*"))):
         if (candidate / MANIFEST).is_file():
             return candidate
@@ -103,9 +113,9 @@ def _verified(source: Path) -> dict[str, Any]:
     """:func:`~ds_zero.verify_checkpoint`; inside a ds-engine tag folder (``ds_manifest.json``
     next to ``zero/``), the whole folder first, since its model file is read too."""
     if (source.parent / DIRECTORY_MANIFEST).is_file():
-        verify_directory(source.parent)
-        return verify_checkpoint(source, files=False)
-    return verify_checkpoint(source)
+        verify_directory(source.parent, group=THIS_PROCESS)  # not collective: one rank may call
+        return verify_checkpoint(source, files=False, group=THIS_PROCESS)
+    return verify_checkpoint(source, group=THIS_PROCESS)
 
 
 def checkpoint_tensors(

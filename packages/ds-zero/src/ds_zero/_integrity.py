@@ -65,6 +65,7 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
+from ds_zero._ranks import agree, ranks_in
 from ds_zero._read_checks import (
     HelpedPool,
     LoadedFile,
@@ -446,22 +447,6 @@ def verify_files(
     return problems
 
 
-def _topology(group: Any) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
-def agree(problems: Sequence[str], group: Any = None) -> list[str]:
-    """Every rank's problems, on every rank (a collective: all ranks must call it)."""
-    _, world = _topology(group)
-    if world == 1:
-        return list(problems)
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, list(problems), group=group)
-    return [p for share in out for p in share]
-
-
 def _listing(directory: Path) -> list[str]:
     return sorted(
         str(p.relative_to(directory))
@@ -474,7 +459,7 @@ def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
     """Record every file under ``directory`` in its ``ds_manifest.json`` (each rank checksums a
     share; global rank 0 of ``group`` writes the manifest, fsynced, through a rename). Every rank
     of ``group`` must call it, after every file is written."""
-    rank, world = _topology(group)
+    rank, world = ranks_in(group)
     names = _listing(directory)
     sizes = {n: {"bytes": (directory / n).stat().st_size} for n in names}
     mine = {n: file_record(directory / n) for n in _share(sizes, rank, world)}
@@ -557,7 +542,7 @@ class PendingVerification:
         overlap: bool = True,
     ) -> None:
         self.directory, self.group, self.values = directory, group, values
-        self.rank, self.world = _topology(group)
+        self.rank, self.world = ranks_in(group)
         self.manifest: dict[str, Any] = {}
         self._noted: list[str] = []
         self._jobs: dict[str, list[Future[int]] | None] = {}

@@ -65,6 +65,13 @@ def _zero_dirs(path):
             f"no zero/manifest.json in {path!r}: not a ds ZeRO checkpoint (a DeepSpeed-written "
             "checkpoint comes with DeepSpeed's own zero_to_fp32.py)"
         )
+    if len(found) > 1:
+        raise ValueError(
+            f"{path!r} holds {len(found)} model-parallel ZeRO folders ({', '.join(found)}): a "
+            "tensor-parallel (AutoTP) checkpoint, whose shards must be merged by its tp_layout; "
+            "this script takes one model-parallel rank only: install ds and use "
+            "deepspeed.utils.zero_to_fp32, which merges them"
+        )
     return found
 
 
