@@ -16,7 +16,7 @@ from ds_engine._sequence_parallel import (
     refuse_sequence_parallel_pipeline,
     sequence_parallel_mpu,
 )
-from ds_engine.api import ConfigError, DeepSpeedConfig, load_config_dict
+from ds_engine.api import ConfigError, DeepSpeedConfig, load_config_dict, refuse_unimplemented
 
 __all__ = ["add_config_arguments", "initialize"]
 
@@ -111,6 +111,7 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs model=, the torch.nn.Module to train")
     raw = load_config_dict(_config_source(args, config, config_params))
+    refuse_unimplemented(raw)
     device_rank = getattr(args, "device_rank", None) if args is not None else None
     if _is_pipeline_module(model):
         refuse_sequence_parallel_pipeline(raw, mesh_param)

@@ -420,6 +420,15 @@ class DeepSpeedConfig(Mapping[str, Any]):
         )
 
 
+def refuse_unimplemented(config: Mapping[str, Any]) -> None:
+    """Refuse the config's unknown keys and unimplemented features before anything is built
+    from it (``initialize`` builds process grids from ``tensor_parallel`` and
+    ``sequence_parallel_size``: a refusal must come first, not a world-size error about a
+    setting that would be refused anyway). ``DeepSpeedConfig.from_dict`` checks the rest."""
+    values = _canonical_keys(config)
+    FeatureSettings({k: values[k] for k in values if k in NOT_IMPLEMENTED})
+
+
 def _canonical_keys(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config's keys with aliases resolved; an unknown key is a did-you-mean error."""
     known_fields = {f.name for f in fields(DeepSpeedConfig)} - set(_INTERNAL)
