@@ -169,3 +169,26 @@ def test_checkpoint_moves_between_gpu_and_cpu(
     saved = run(_save_body, saved_on)
     loaded = run(_load_body, loaded_on)
     assert loaded == pytest.approx(saved[:-1], rel=1e-6)
+
+
+def _loader_body(rank: int, world_size: int) -> bool:
+    import torch
+
+    import ds_engine
+
+    model = make_mlp(0)
+    data = make_dataset(16)
+    engine, _, loader, _ = ds_engine.initialize(
+        model=model, config=_cfg(2, "fp32"), training_data=data
+    )
+    assert loader is not None
+    x, y = next(iter(loader))
+    assert x.device == engine.device and y.device == engine.device, (x.device, y.device)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return True
+
+
+def test_deepspeed_io_batches_arrive_on_the_engines_device() -> None:
+    assert run_on_ranks(_loader_body, 1, backend="nccl") == [True]

@@ -31,6 +31,18 @@ class _SkippingSampler(DistributedSampler):
         return iter(indices[start:])
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor (and every object with a ``.to``) moved to ``device``."""
+    from torch.utils._pytree import tree_map
+
+    def move(leaf: Any) -> Any:
+        if torch.is_tensor(leaf) or callable(getattr(leaf, "to", None)):
+            return leaf.to(device, non_blocking=True)
+        return leaf
+
+    return tree_map(move, batch)
+
+
 class DeepSpeedDataLoader:
     """Micro-batches of ``dataset`` for this data-parallel rank (see [Note: resumable loader
     position]).
@@ -48,6 +60,10 @@ class DeepSpeedDataLoader:
         sampler: a sampler of the caller's instead of the distributed one (DeepSpeed's
             ``data_sampler``); a resumed position is then reached by skipping batches.
         pin_memory: page-lock batches for faster copies to the accelerator.
+        device: move every batch there (its tensors, and objects with a ``.to`` such as a
+            transformers ``BatchEncoding``), asynchronously from pinned memory; None or a CPU
+            device leaves batches where the collate function put them. The engine passes its
+            own device, so a training loop's ``.to(engine.device)`` is a no-op on a GPU.
     """
 
     def __init__(
@@ -64,7 +80,9 @@ class DeepSpeedDataLoader:
         num_workers: int = 0,
         sampler: Sampler[Any] | None = None,
         pin_memory: bool = False,
+        device: torch.device | None = None,
     ) -> None:
+        self.device = device if device is not None and device.type != "cpu" else None
         self.custom_sampler = sampler is not None
         self.sampler: Any = sampler or _SkippingSampler(
             dataset,
@@ -107,7 +125,7 @@ class DeepSpeedDataLoader:
             self.sampler.start = self.batches * self.batch_size
         for batch in batches:
             self.batches += 1
-            yield batch
+            yield batch if self.device is None else to_device(batch, self.device)
         self.epoch += 1
         self.batches = 0
 
@@ -176,4 +194,6 @@ def build_loader(
         num_workers=num_local_io_workers or 0,
         sampler=data_sampler,
         pin_memory=pin_memory and get_accelerator().device_name() != "cpu",
+        # the pipeline engine builds its loader before its device (and moves micro-batches itself)
+        device=getattr(engine, "device", None),
     )
