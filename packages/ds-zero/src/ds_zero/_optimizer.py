@@ -330,7 +330,7 @@ class ZeroOptimizer(GradientCore):
                 torch.empty_like(m, dtype=g.flat.dtype) for m, g in zip(self.masters, self.groups)
             ]
             self.optimizer.step(fp16_param_groups=[[t] for t in low])
-        elif not step_in_slices(self.optimizer, STEP_SLICE_NUMEL):
+        elif not step_in_slices(self.optimizer, step_slice_numel()):
             self.optimizer.step()
         for master in self.masters:
             master.grad = None
@@ -507,7 +507,16 @@ class ZeroOptimizer(GradientCore):
 # fastest: AdamW over 100M elements took ~0.35 s against ~0.6 s whole (2**16: 0.40 s, 2**20:
 # 0.47 s), FusedAdam 0.31 s against 0.44 s.
 
+# That was 2 threads. Each elementwise op splits its slice among the intra-op threads, so with
+# more threads a slice of that size leaves each thread too little to amortise the op's launch:
+# the slice grows with the threads beyond 2 (``step_slice_numel``), keeping each thread's share.
 STEP_SLICE_NUMEL = 1 << 18
+
+
+def step_slice_numel() -> int:
+    """Elements per optimizer slice for this process's intra-op thread count."""
+    return STEP_SLICE_NUMEL * max(1, torch.get_num_threads() // 2)
+
 
 _SLICEABLE = (
     torch.optim.Adam,
