@@ -94,8 +94,12 @@ def _moe_parity_body(rank: int, world_size: int, *, stage: int, steps: int) -> f
     expected = ds_moe.expert_parallel_state_dict(
         engine.module, reference.state_dict(), engine.expert_groups
     )
+    from ds_zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # whole weights at stage 3
+        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
     worst = 0.0
-    for name, value in engine.module.state_dict().items():
+    for name, value in state.items():
         ref = expected[name]
         error = (value.cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
         worst = max(worst, error.item())

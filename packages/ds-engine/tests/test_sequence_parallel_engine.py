@@ -84,6 +84,7 @@ def _train_sp(stage: int, sp: int, axis: str) -> tuple[list[float], list[dict], 
     losses, params = [], []
     for _, batch in zip(range(_STEPS), loader):
         assert batch["input_ids"].shape == (1, _SEQ // sp)
+        batch = {k: v.to(engine.device) for k, v in batch.items()}  # the adapter keeps host slices
         logits = engine(batch["input_ids"], batch["position_ids"])
         loss, tokens = token_loss(logits, batch["shift_labels"])
         loss = sequence_parallel_loss(loss, tokens, engine.seq_parallel_group)
@@ -284,6 +285,7 @@ def _sp_tp_body(rank: int, world_size: int) -> dict:
     loader = UlyssesSPDataLoaderAdapter(mine, sp_rank, engine.seq_parallel_group, 2, engine.device)
     loss_error = param_error = 0.0
     for step, batch in zip(range(_STEPS), loader):
+        batch = {k: v.to(engine.device) for k, v in batch.items()}  # the adapter keeps host slices
         logits = engine(batch["input_ids"], batch["position_ids"])
         loss, tokens = token_loss(logits, batch["shift_labels"])
         loss = sequence_parallel_loss(loss, tokens, engine.seq_parallel_group)
