@@ -171,3 +171,18 @@ def test_parse_size_rejects_nonsense() -> None:
 
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size("5 parsecs")
+
+
+def test_a_live_model_with_experts_split_over_ranks_is_refused(tmp_path: Path) -> None:
+    """DeepSpeed's MoE marks expert parameters with ``group_name = "ep_size_<n>"``: with n > 1
+    this rank holds only its own experts, so writing the module would leave the rest out."""
+    from ds_zero import export_safetensors
+
+    model = torch.nn.Linear(2, 2)
+    for p in model.parameters():
+        p.group_name = "ep_size_2"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"ep_size_2.*_zero3_consolidated_16bit_state_dict"):
+        export_safetensors(model, tmp_path / "split", progress=False)
+    for p in model.parameters():
+        p.group_name = "ep_size_1"  # type: ignore[attr-defined]
+    assert export_safetensors(model, tmp_path / "whole", progress=False)  # every expert here

@@ -233,6 +233,29 @@ def _mapping_entries(
     return entries, ((n, source[n].contiguous()) for n in names)
 
 
+def _refuse_split_experts(module: torch.nn.Module) -> None:
+    """A live model whose MoE experts are split over ranks (DeepSpeed's ``group_name``
+    ``ep_size_<n>``, n > 1) holds only this rank's experts, under local names: writing it would
+    silently leave the others out."""
+    split = sorted(
+        {
+            name
+            for p in module.parameters()
+            if isinstance(name := getattr(p, "group_name", None), str)
+            and name.startswith("ep_size_")
+            and name.removeprefix("ep_size_").isdigit()
+            and int(name.removeprefix("ep_size_")) > 1
+        }
+    )
+    if split:
+        raise ValueError(
+            f"export_safetensors: the model's MoE experts are split over ranks ({', '.join(split)})"
+            ", so this rank holds only its own experts; export the whole model's state dict "
+            "instead (ds-engine: engine._zero3_consolidated_16bit_state_dict() on every rank, "
+            "then export_safetensors(that dict, ...) on rank 0; docs/moe.md)"
+        )
+
+
 def export_safetensors(
     source: str | os.PathLike[str] | Mapping[str, Any] | torch.nn.Module | Any,
     out_dir: str | os.PathLike[str],
@@ -277,10 +300,12 @@ def export_safetensors(
     if isinstance(source, (str, os.PathLike)):
         from ds_zero._checkpoint import verify_checkpoint
         from ds_zero._consolidate import checkpoint_tensors, resolve_checkpoint_dir
+        from ds_zero._ranks import THIS_PROCESS
 
         directory = resolve_checkpoint_dir(source)
+        manifest = verify_checkpoint(directory, group=THIS_PROCESS)  # one rank may export alone
         listed, values = checkpoint_tensors(
-            directory, verify_checkpoint(directory), exclude_frozen=exclude_frozen_parameters
+            directory, manifest, exclude_frozen=exclude_frozen_parameters
         )
         entries = [_Entry(n, shape, cast(d)) for n, shape, d in listed]
         return _write_all(out, entries, values, max_bytes, writer=True, progress=progress)
@@ -290,6 +315,7 @@ def export_safetensors(
             f"source is a {type(source).__name__}: pass a checkpoint directory, a module, or an "
             "optimizer with a .module"
         )
+    _refuse_split_experts(module)
     named = _live_tensors(module)
     if exclude_frozen_parameters:
         frozen = {id(p) for p in module.parameters() if not p.requires_grad}
