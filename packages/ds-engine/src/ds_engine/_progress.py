@@ -29,6 +29,11 @@ def _reduction_order(config: DeepSpeedConfig, self_reducing: bool) -> str:
     stage = config.zero_optimization.stage
     when = "every micro-batch" if stage >= 2 else "at the accumulation boundary"
     op = "all-reduce" if stage == 0 else "reduce-scatter"
+    zero = config.zero_optimization
+    if stage == 3 and zero.zero_quantized_gradients:
+        op = "int8 blockwise all-to-all (ZeRO++ qgZ), summed in fp32,"
+    if stage == 3 and zero.mics_shard_size > 1:
+        op += f" within MiCS groups of {zero.mics_shard_size}, all-reduced across them,"
     if config.prescale_gradients:
         scaling = "each rank divides by dp size before the sum"
     elif config.gradient_predivide_factor == 1.0:
