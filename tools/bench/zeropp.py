@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _shared import comm_bytes  # tools/bench/_shared (this script's folder is on sys.path)
 from torch import nn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
@@ -92,15 +93,13 @@ def _section(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _bytes(summary: list[Any], world: int) -> dict[str, float]:
     """Wire bytes by column: gathers over all ranks, gathers within hpZ groups, reductions."""
-    out = {"gather": 0.0, "gather_hpz": 0.0, "reduce": 0.0, "all_reduce": 0.0}
-    for row in summary:
-        if "all_gather" in row.op:
-            out["gather" if row.group_size == world else "gather_hpz"] += row.wire_bytes
-        elif "reduce_scatter" in row.op or "all_to_all" in row.op:
-            out["reduce"] += row.wire_bytes
-        else:
-            out["all_reduce"] += row.wire_bytes
-    return out
+    wire = comm_bytes.wire_bytes(summary, world)
+    return {
+        "gather": wire["all_gather"]["world"],
+        "gather_hpz": wire["all_gather"]["group"],
+        "reduce": sum(wire["reduce_scatter"].values()) + sum(wire["all_to_all"].values()),
+        "all_reduce": sum(wire["all_reduce"].values()) + sum(wire["other"].values()),
+    }
 
 
 def _run_mode(mode: str, gpt: type[nn.Module], args: argparse.Namespace) -> dict[str, Any]:
