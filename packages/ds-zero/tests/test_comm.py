@@ -82,7 +82,8 @@ def _overlap_body(rank: int, world_size: int, *, overlap: bool) -> dict:
         seen["max_grad_numel"] = max(seen["max_grad_numel"], alive)
         seen["in_flight"] = max(seen["in_flight"], zero.reducer.in_flight)
         staging = zero.reducer._staging
-        seen["staging_buffers"] = max(seen["staging_buffers"], staging.allocated)
+        allocated = staging.allocated if staging is not None else 0
+        seen["staging_buffers"] = max(seen["staging_buffers"], allocated)
 
     handles = [p.register_post_accumulate_grad_hook(watch) for p in model.parameters()]
     for batch in global_batches(2, 4 * world_size):
@@ -104,8 +105,10 @@ def test_overlap_comm_keeps_reductions_in_flight_during_backward(world_size: int
     assert off["in_flight"] == 0  # each reduction waited for in the hook that launched it
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [2])
 def test_stage_2_never_holds_the_full_gradient(world_size: int) -> None:
+    # (On one rank the shard is the whole gradient: stage 2 keeps it as stage 1 does, with no
+    # staging buffer; test_gradient_buffers.py checks that.)
     seen = run_on_ranks(_overlap_body, world_size, overlap=True, timeout=300)[0]
     # Gradients are copied into a staging buffer and freed as autograd finishes them.
     assert seen["max_grad_numel"] <= seen["largest_unit"] < seen["model_numel"] / 4
