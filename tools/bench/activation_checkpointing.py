@@ -28,47 +28,19 @@ import argparse
 import importlib.util
 import statistics
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from _shared.live_bytes import (
+    LiveBytes,  # tools/bench/_shared (this script's folder is on sys.path)
+)
 
 from ds_comm.accelerator import get_accelerator
 from ds_engine import checkpointing
 
 MODES = ("none", "checkpoint", "cpu_checkpointing", "non_reentrant")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Live bytes of the storages operators create while active, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        key = storage.data_ptr()
-        if key in self.live or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.now += storage.nbytes()
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
 
 
 def _gpt_module() -> Any:
