@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _shared import comm_bytes  # tools/bench/_shared (this script's folder is on sys.path)
+from _shared import comm_bytes, rounds  # tools/bench/_shared (this script's folder is on sys.path)
 from torch import nn
 
 MIB = 1 << 20
@@ -199,16 +199,10 @@ def _bench_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=args.world_size
     )
-    results: dict[str, dict[str, Any]] = {}
-    for round_ in range(args.rounds):  # modes in turn: a load spike hits one round
-        for ep_size in [1, *args.ep]:
-            mode = f"ep={ep_size}"
-            result = _run_mode(ep_size, args)
-            best = results.get(mode)
-            if best is None or result["step_s"] < best["step_s"]:
-                results[mode] = result
-            if rank == 0:
-                print(f"round {round_ + 1}: {mode} {result['step_s']:.3f} s/step", flush=True)
+    ep_of = {f"ep={ep_size}": ep_size for ep_size in [1, *args.ep]}
+    results = rounds.best_of_rounds(
+        list(ep_of), lambda mode: _run_mode(ep_of[mode], args), args.rounds, verbose=rank == 0
+    )
     if rank == 0:
         Path(tmp, "results.json").write_text(json.dumps(results))
     dist.barrier()

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _shared import comm_bytes  # tools/bench/_shared (this script's folder is on sys.path)
+from _shared import comm_bytes, rounds  # tools/bench/_shared (this script's folder is on sys.path)
 from torch import nn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
@@ -151,15 +151,9 @@ def _bench_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     )
     gpt = _gpt_class()
     ds_comm.configure(enabled=True, prof_all=True)
-    results: dict[str, dict[str, Any]] = {}
-    for round_ in range(args.rounds):  # modes in turn: a load spike hits one round
-        for mode in args.modes:
-            result = _run_mode(mode, gpt, args)
-            best = results.get(mode)
-            if best is None or result["step_s"] < best["step_s"]:
-                results[mode] = result
-            if rank == 0:
-                print(f"round {round_ + 1}: {mode} {result['step_s']:.3f} s/step", flush=True)
+    results = rounds.best_of_rounds(
+        args.modes, lambda mode: _run_mode(mode, gpt, args), args.rounds, verbose=rank == 0
+    )
     if rank == 0:
         Path(tmp, "results.json").write_text(json.dumps(results))
     dist.barrier()
