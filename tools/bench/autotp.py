@@ -10,11 +10,22 @@ peak RSS is its own, and trains the same Llama-style model (``--layers`` pre-nor
   dp = world / N; the engine shards every projection (the embedding, norms and ``lm_head`` stay
   replicated) and the N tensor-parallel ranks of one replica read the same micro-batch.
 
-Per mode the table shows the median step time of the slowest rank, the model-state bytes one
-rank holds (parameters, gradients, optimizer state: ``engine.memory_usage()``), the parameters
-one rank holds, the peak RSS of the busiest rank and the last step's loss (the same global
-batch in every mode, so the losses agree). On CPU gloo the all-reduces of the activations make
-tensor parallelism slower than data parallelism at this size; what it buys is memory per rank.
+Per mode the table shows the bytes one rank puts on the wire per step by collective kind, the
+median step time of the slowest rank, the model-state bytes one rank holds (parameters,
+gradients, optimizer state: ``engine.memory_usage()``), the parameters one rank holds, the peak
+RSS of the busiest rank and the last step's loss (the same global batch in every mode, so the
+losses agree). On CPU gloo the all-reduces of the activations make tensor parallelism slower
+than data parallelism at this size; what it buys is memory per rank.
+
+The bytes are ds-comm's comms logger's (``comms_logger`` in the engine config, read through
+``tools/bench/_shared/comm_bytes.py`` as ``tools/bench/moe_zero3.py`` does): what each rank puts
+on the wire per timed step (``msg_bytes * (n - 1) / n``, twice that for an all-reduce), mean
+over the ranks. The all-reduce column holds the tensor-parallel all-reduces of the activations
+(forward: one per row-parallel ``o_proj`` / ``down_proj``; backward: one per column-parallel
+``q/k/v/gate/up_proj`` input gradient: 7 per block of ``micro x seq x dim`` fp32 values) and the
+gradient norm's few bytes; the footer prints the hand count of the tensor-parallel part next to
+it. When dp > 1 the data-parallel traffic lands where the ZeRO stage puts it (stages 1 and 2:
+the gradients reduce-scattered, the updated parameters all-gathered; stage 0: all-reduced).
 
 Usage (from the workspace root)::
 
@@ -36,9 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _shared import comm_bytes  # tools/bench/_shared (this script's folder is on sys.path)
 from torch import nn
 
 MIB = 1 << 20
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 class Attention(nn.Module):
@@ -90,6 +103,7 @@ class Llama(nn.Module):
 
 
 def _rank(rank: int, args: argparse.Namespace, tp: int, store: str, out: str) -> None:
+    import ds_comm
     import ds_engine
 
     torch.set_num_threads(args.threads)
@@ -107,13 +121,17 @@ def _rank(rank: int, args: argparse.Namespace, tp: int, store: str, out: str) ->
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": args.stage},
         "tensor_parallel": {"autotp_size": tp},
+        "comms_logger": {"enabled": True, "prof_all": True, "verbose": False},
     }
     engine, *_ = ds_engine.initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(1)
     shape = (args.global_batch, args.seq + 1)
     batches = [torch.randint(0, args.vocab, shape, generator=gen) for _ in range(args.steps)]
-    times, loss = [], 0.0
+    logger = ds_comm.get_comms_logger()
+    times, loss = [], torch.zeros((), dtype=torch.float32)
     for i, batch in enumerate(batches):
+        if i == args.warmup:
+            logger.reset()  # the timed steps' bytes only
         mine = batch[engine.dp_rank * micro : (engine.dp_rank + 1) * micro]
         dist.barrier()
         start = time.perf_counter()
@@ -123,6 +141,11 @@ def _rank(rank: int, args: argparse.Namespace, tp: int, store: str, out: str) ->
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         loss = step_loss.detach().clone()
+    wire = comm_bytes.per_kind(logger.summary(), args.world_size)
+    timed = args.steps - args.warmup
+    sent = torch.tensor([wire[kind] / timed for kind in KINDS], dtype=torch.float64)
+    dist.all_reduce(sent)  # torch's own collectives here: the logger has stopped counting
+    sent /= args.world_size
     dist.all_reduce(loss, group=engine.dp_group)
     states = engine.memory_usage().model_states
     params = sum(p.numel() for p in engine.module.parameters())
@@ -132,6 +155,7 @@ def _rank(rank: int, args: argparse.Namespace, tp: int, store: str, out: str) ->
     if rank == 0:
         seconds, states, params, rss = row.tolist()
         result = {"ms": 1e3 * seconds, "states": states, "params": params, "rss": rss}
+        result["bytes"] = dict(zip(KINDS, sent.tolist()))
         Path(out).write_text(json.dumps({**result, "loss": loss.item() / dp}))
     dist.destroy_process_group()
 
@@ -158,6 +182,22 @@ def main(argv: list[str] | None = None) -> None:
             store = str(Path(tmp) / "store")
             mp.spawn(_rank, args=(args, tp, store, out), nprocs=args.world_size)
             results[tp] = json.loads(Path(out).read_text())
+    print_table(results, args)
+
+
+def tp_all_reduce_bytes(args: argparse.Namespace, tp: int) -> float:
+    """The hand count of one rank's tensor-parallel all-reduce wire bytes per step: 7 all-reduces
+    per block (2 forward, 5 backward) of ``micro x seq x dim`` fp32 values, ``2 (n - 1) / n``
+    of the message each."""
+    if tp == 1:
+        return 0.0
+    micro = args.global_batch // (args.world_size // tp)
+    message = micro * args.seq * args.dim * 4
+    return 7 * args.layers * message * 2 * (tp - 1) / tp
+
+
+def print_table(results: dict[int, dict], args: argparse.Namespace) -> None:
+    """One row per mode, every ratio against the first mode (TP=1) of the same run."""
     base = results[args.modes[0]]
     print(
         f"\nAutoTP vs TP={args.modes[0]}: {args.world_size} gloo ranks, ZeRO-{args.stage}, "
@@ -165,16 +205,33 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.global_batch} x {args.seq} tokens, median of {args.steps - args.warmup} steps\n"
     )
     print(
-        f"{'mode':<10} {'ms/step':>9} {'vs base':>8} {'params/rank':>12} "
-        f"{'states MiB':>11} {'vs base':>8} {'peak RSS MiB':>13} {'last loss':>10}"
+        f"{'mode':<10} {'all-reduce MiB':>14} {'all-gather MiB':>14} {'red.-scat. MiB':>14} "
+        f"{'ms/step':>9} {'vs base':>8} {'params/rank':>12} {'states MiB':>11} {'vs base':>8} "
+        f"{'peak RSS MiB':>13} {'last loss':>10}"
     )
     for tp, r in results.items():
-        mode = f"tp{tp} x dp{args.world_size // tp}"
+        mode, sent = f"tp{tp} x dp{args.world_size // tp}", r["bytes"]
         print(
-            f"{mode:<10} {r['ms']:>9.1f} {r['ms'] / base['ms']:>8.2f} {r['params'] / 1e6:>11.2f}M "
-            f"{r['states'] / MIB:>11.1f} {r['states'] / base['states']:>8.2f} "
-            f"{r['rss'] / MIB:>13.1f} {r['loss']:>10.5f}"
+            f"{mode:<10} {sent['all_reduce'] / MIB:>14.2f} {sent['all_gather'] / MIB:>14.2f} "
+            f"{sent['reduce_scatter'] / MIB:>14.2f} {r['ms']:>9.1f} {r['ms'] / base['ms']:>8.2f} "
+            f"{r['params'] / 1e6:>11.2f}M {r['states'] / MIB:>11.1f} "
+            f"{r['states'] / base['states']:>8.2f} {r['rss'] / MIB:>13.1f} {r['loss']:>10.5f}"
         )
+    print(
+        "(MiB each rank puts on the wire per step, by collective kind, from ds-comm's comms "
+        "logger, mean over ranks; all-reduce: the tensor-parallel activations' and the gradient "
+        "norm's; reduce-scatter / all-gather: ZeRO's data-parallel gradient reduction and "
+        "parameter gather, dp > 1 only)"
+    )
+    for tp in args.modes:
+        if tp > 1:
+            expected = tp_all_reduce_bytes(args, tp) / MIB
+            print(
+                f"tp{tp}: hand count of the tensor-parallel all-reduces: 7 per block x "
+                f"{args.layers} blocks x {args.global_batch // (args.world_size // tp)} x "
+                f"{args.seq} x {args.dim} fp32 x 2({tp}-1)/{tp} = {expected:.4f} MiB/step "
+                f"(measured all-reduce: {results[tp]['bytes']['all_reduce'] / MIB:.4f} MiB)"
+            )
 
 
 if __name__ == "__main__":

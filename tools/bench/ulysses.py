@@ -12,12 +12,23 @@ rendezvous, one process group per mode):
   ``DistributedAttention`` (all-to-all to whole-sequence, ``heads / N`` heads), and the loss is
   ``sequence_parallel_loss`` (token-weighted over the group).
 
-Per mode the table shows the tokens one rank holds, the peak activation memory of the busiest
-rank during forward and backward (bytes allocated above what was live when the step began:
+Per mode the table shows the tokens one rank holds, the bytes one rank puts on the wire per
+step by collective kind, the peak activation memory of the busiest rank during forward and
+backward (bytes allocated above what was live when the step began:
 ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU, which has no allocator statistics, a
 ``TorchDispatchMode`` sums the live storages operators create, as
 ``tools/bench/activation_checkpointing.py`` does), the median step time of the slowest rank
 and the last loss (the same sequences in every mode: the losses agree).
+
+The bytes are ds-comm's comms logger's (``comms_logger`` in the engine config, read through
+``tools/bench/_shared/comm_bytes.py`` as ``tools/bench/moe_zero3.py`` does): what each rank puts
+on the wire per timed step (``msg_bytes * (n - 1) / n``, twice that for an all-reduce), mean
+over the ranks. The all-to-all column is ``DistributedAttention``'s: per block 4 forward (q, k,
+v to heads, the output back to sequence) and 4 backward, each of ``seq / sp x dim`` fp32 values
+per rank; the footer prints that hand count next to it. The all-reduce column is the data-parallel
+gradient reduction over the sequence-parallel ranks (each saw other tokens) at ZeRO-0, and the
+loss's token counts and gradient norm's few bytes; at ZeRO-1 and 2 the gradients are
+reduce-scattered and the parameters all-gathered instead.
 
 Usage (from the workspace root)::
 
@@ -39,12 +50,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _shared.live_bytes import (
-    LiveBytes,  # tools/bench/_shared (this script's folder is on sys.path)
-)
+from _shared import comm_bytes  # tools/bench/_shared (this script's folder is on sys.path)
+from _shared.live_bytes import LiveBytes
 from torch import nn
 
 MIB = 1 << 20
+KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -100,6 +111,7 @@ def _peak_of(run: Any, device: torch.device) -> int:
 
 
 def _rank(rank: int, args: argparse.Namespace, sp: int, store: str, out: str) -> None:
+    import ds_comm
     import ds_engine
     from ds_engine.sequence import (
         DistributedAttention,
@@ -118,14 +130,18 @@ def _rank(rank: int, args: argparse.Namespace, sp: int, store: str, out: str) ->
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": args.stage},
+        "comms_logger": {"enabled": True, "prof_all": True, "verbose": False},
     }
     engine, *_ = ds_engine.initialize(model=model, config=config)
     if sp > 1:
         for block in model.blocks:
             block.attention = DistributedAttention(_sdpa, engine.seq_parallel_group, gather_idx=1)
     gen = torch.Generator().manual_seed(1)
+    logger = ds_comm.get_comms_logger()
     peaks, times, loss = [], [], torch.zeros(())
     for step in range(args.steps):
+        if step == args.warmup:
+            logger.reset()  # the timed steps' bytes only
         ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
         sample = {"input_ids": ids, "position_ids": torch.arange(args.seq)[None], "labels": ids}
         batch = shard_sequence(sample, rank, sp)
@@ -147,11 +163,17 @@ def _rank(rank: int, args: argparse.Namespace, sp: int, store: str, out: str) ->
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             peaks.append(peak)
+    wire = comm_bytes.per_kind(logger.summary(), sp)
+    timed = args.steps - args.warmup
+    sent = torch.tensor([wire[kind] / timed for kind in KINDS], dtype=torch.float64)
+    dist.all_reduce(sent)  # torch's own collectives here: the logger has stopped counting
+    sent /= sp
     row = torch.tensor([max(peaks), statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the busiest / slowest rank
     if rank == 0:
         peak, seconds = row.tolist()
         result = {"peak": peak, "ms": 1e3 * seconds, "loss": loss.item()}
+        result["bytes"] = dict(zip(KINDS, sent.tolist()))
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -175,6 +197,18 @@ def main(argv: list[str] | None = None) -> None:
             out, store = str(Path(tmp) / "result"), str(Path(tmp) / "store")
             mp.spawn(_rank, args=(args, sp, store, out), nprocs=sp)
             results[sp] = json.loads(Path(out).read_text())
+    print_table(results, args)
+
+
+def all_to_all_bytes(args: argparse.Namespace, sp: int) -> float:
+    """The hand count of one rank's ``DistributedAttention`` wire bytes per step: 8 all-to-alls
+    per block (4 forward, 4 backward) of ``seq / sp x dim`` fp32 values, ``(sp - 1) / sp`` of
+    the message each."""
+    return 8 * args.layers * (args.seq // sp) * args.dim * 4 * (sp - 1) / sp
+
+
+def print_table(results: dict[int, dict], args: argparse.Namespace) -> None:
+    """One row per mode, every ratio against the first mode (SP=1) of the same run."""
     base = results[args.modes[0]]
     print(
         f"\nUlysses vs SP={args.modes[0]}: gloo ranks = sp, ZeRO-{args.stage}, seq {args.seq}, "
@@ -182,15 +216,34 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.steps - args.warmup} steps\n"
     )
     print(
-        f"{'mode':<6} {'tokens/rank':>11} {'peak act. MiB/rank':>19} {'vs base':>8} "
-        f"{'ms/step':>9} {'vs base':>8} {'last loss':>10}"
+        f"{'mode':<6} {'tokens/rank':>11} {'all-to-all MiB':>14} {'all-reduce MiB':>14} "
+        f"{'all-gather MiB':>14} {'red.-scat. MiB':>14} {'peak act. MiB/rank':>19} "
+        f"{'vs base':>8} {'ms/step':>9} {'vs base':>8} {'last loss':>10}"
     )
     for sp, r in results.items():
+        sent = r["bytes"]
         print(
-            f"{'sp' + str(sp):<6} {args.seq // sp:>11} {r['peak'] / MIB:>19.1f} "
+            f"{'sp' + str(sp):<6} {args.seq // sp:>11} {sent['all_to_all'] / MIB:>14.2f} "
+            f"{sent['all_reduce'] / MIB:>14.2f} {sent['all_gather'] / MIB:>14.2f} "
+            f"{sent['reduce_scatter'] / MIB:>14.2f} {r['peak'] / MIB:>19.1f} "
             f"{r['peak'] / base['peak']:>8.2f} {r['ms']:>9.1f} {r['ms'] / base['ms']:>8.2f} "
             f"{r['loss']:>10.5f}"
         )
+    print(
+        "(MiB each rank puts on the wire per step, by collective kind, from ds-comm's comms "
+        "logger, mean over ranks; all-to-all: DistributedAttention's; the rest: the gradient "
+        "reduction over the sequence-parallel ranks, ZeRO's parameter gather, the loss's token "
+        "counts and the gradient norm)"
+    )
+    for sp in args.modes:
+        if sp > 1:
+            expected = all_to_all_bytes(args, sp) / MIB
+            print(
+                f"sp{sp}: hand count of DistributedAttention's all-to-alls: 8 per block x "
+                f"{args.layers} blocks x {args.seq // sp} x {args.dim} fp32 x ({sp}-1)/{sp} = "
+                f"{expected:.4f} MiB/step (measured all-to-all: "
+                f"{results[sp]['bytes']['all_to_all'] / MIB:.4f} MiB)"
+            )
 
 
 if __name__ == "__main__":

@@ -34,3 +34,9 @@ def wire_bytes(summary: Iterable[Any], world: int) -> dict[str, dict[str, float]
         scope = "world" if row.group_size == world else "group"
         out[kind_of(row.op)][scope] += row.wire_bytes
     return out
+
+
+def per_kind(summary: Iterable[Any], world: int) -> dict[str, float]:
+    """``{kind: bytes}``: :func:`wire_bytes` with the world and smaller-group parts added up
+    (tools/bench/autotp.py and ulysses.py show each kind's total)."""
+    return {kind: sum(scopes.values()) for kind, scopes in wire_bytes(summary, world).items()}

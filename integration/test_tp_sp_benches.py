@@ -1,0 +1,76 @@
+"""The AutoTP and Ulysses benchmarks (tools/bench/autotp.py, ulysses.py) run end to end on 2 local
+ranks and print the communication bytes the comms logger counted, next to their hand count.
+
+Tiny sizes keep them fast; the full tables are the `bench` nox session's job (and
+docs/tensor_parallel.md, docs/sequence_parallel.md).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# "... = 0.4375 MiB/step (measured all-reduce: 0.4375 MiB)": the footer's hand count and measure.
+HAND_COUNT = re.compile(r"= ([0-9.]+) MiB/step \(measured [a-z-]+: ([0-9.]+) MiB\)")
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools/bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _rows(out: str, modes: tuple[str, ...]) -> dict[str, list[str]]:
+    """The table's rows by their first cell (the mode)."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0] in modes:
+            rows[cells[0]] = cells
+    return rows
+
+
+def _hand_count(out: str) -> tuple[float, float]:
+    match = HAND_COUNT.search(out)
+    assert match is not None, out
+    expected, measured = map(float, match.groups())
+    return expected, measured
+
+
+def test_autotp_benchmark_counts_the_tensor_parallel_all_reduces() -> None:
+    tiny = ["--dim", "32", "--heads", "4", "--layers", "1", "--vocab", "64", "--seq", "8"]
+    out = _run("autotp.py", *tiny, "--steps", "2", "--warmup", "1")
+    rows = _rows(out, ("tp1", "tp2"))
+    assert set(rows) == {"tp1", "tp2"}, out
+    # mode x dpN | all-reduce | all-gather | reduce-scatter | ms | ... | last loss
+    base, split = rows["tp1"], rows["tp2"]
+    assert "all-reduce MiB" in out and "red.-scat. MiB" in out
+    assert float(base[5]) > 0.0  # dp2: ZeRO-1 reduce-scatters the gradients...
+    assert float(split[5]) == 0.0  # ...and dp1 has nothing to reduce
+    assert float(split[3]) > 0.0  # the row-parallel outputs and column-parallel input grads
+    expected, measured = _hand_count(out)
+    assert expected > 0.0 and abs(measured - expected) <= 0.01 * expected + 1e-4, out
+    assert abs(float(base[-1]) - float(split[-1])) < 1e-4  # the same batch: the same loss
+
+
+def test_ulysses_benchmark_counts_the_distributed_attention_all_to_alls() -> None:
+    tiny = ["--seq", "64", "--dim", "32", "--heads", "4", "--layers", "1", "--vocab", "64"]
+    out = _run("ulysses.py", *tiny, "--steps", "2", "--warmup", "1")
+    rows = _rows(out, ("sp1", "sp2"))
+    assert set(rows) == {"sp1", "sp2"}, out
+    # mode | tokens/rank | all-to-all | all-reduce | all-gather | reduce-scatter | ...
+    base, split = rows["sp1"], rows["sp2"]
+    assert "all-to-all MiB" in out
+    assert float(base[2]) == 0.0 < float(split[2])  # one rank: no collective at all
+    expected, measured = _hand_count(out)
+    assert expected > 0.0 and abs(measured - expected) <= 0.01 * expected + 1e-4, out
+    assert abs(float(base[-1]) - float(split[-1])) < 1e-4  # SP=2 matches SP=1
