@@ -270,6 +270,18 @@ def _refusal_body(rank: int, world_size: int) -> list[str]:
     with pytest.raises(RuntimeError) as info:  # tp peers fed different batches
         other(x + rank)
     errors.append(str(info.value))
+    import ds_moe
+
+    def moe_model() -> nn.Module:
+        expert = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        return nn.Sequential(nn.Linear(DIM, DIM), ds_moe.MoE(DIM, expert, num_experts=2, k=1))
+
+    with pytest.raises(NotImplementedError) as info:  # AutoTP with MoE: no parity shown
+        ds_engine.initialize(model=moe_model(), config=_config(1, 2, 2))
+    errors.append(str(info.value))
+    with pytest.raises(NotImplementedError) as info:
+        ds_engine.tp_model_init(moe_model(), 2, torch.float32)
+    errors.append(str(info.value))
     return errors
 
 
@@ -280,6 +292,9 @@ def test_refusals_name_the_key_and_a_tp_model_init_model_is_kept() -> None:
     assert "tensor_parallel.dtype = 'bf16' conflicts" in errors[2]
     assert "model-parallel group has 1 ranks" in errors[3]
     assert "given different inputs in their first forward" in errors[4]
+    for error in errors[5:]:  # names both features
+        assert "tensor_parallel.autotp_size" in error and "MoE" in error, error
+        assert "'1' is a deepspeed.moe.layer.MoE" in error and "not implemented" in error
 
 
 def test_unimplemented_tensor_parallel_keys_stay_refused() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -220,6 +221,24 @@ def _divide_heads(module: nn.Module, name: str, tp_size: int) -> None:
         setattr(module, "config", local)  # noqa: B010 (nn.Module.__setattr__ typing)
 
 
+def _refuse_moe(model: nn.Module, tp_size: int) -> None:
+    """AutoTP of a model with MoE layers is not implemented: its experts would be split like
+    dense linears, with no parity shown against the unsharded model. ds-moe is optional, so a
+    model can only hold ``MoE`` layers when ``ds_moe`` was imported (as ``_moe.py`` reasons)."""
+    ds_moe = sys.modules.get("ds_moe")
+    if ds_moe is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, ds_moe.MoE):
+            raise NotImplementedError(
+                f"tensor parallelism (AutoTP: tensor_parallel.autotp_size / tp_model_init, "
+                f"tp_size={tp_size}) on a model with MoE layers ({name or 'the model'!r} is a "
+                "deepspeed.moe.layer.MoE): AutoTP combined with MoE is not implemented in ds; "
+                "train the MoE model with expert parallelism (ep_size) over data parallelism, or "
+                "use AutoTP on a dense model"
+            )
+
+
 def tp_model_init(
     model: nn.Module,
     tp_size: int,
@@ -244,6 +263,8 @@ def tp_model_init(
     """
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_model_init: tp_size={tp_size!r} must be a positive int")
+    if tp_size > 1:
+        _refuse_moe(model, tp_size)
     model.to(dtype)
     if tp_size == 1:
         return model
