@@ -135,10 +135,18 @@ def _mpu_body(rank: int, world_size: int, *, stage: int) -> float:
         return max((a.detach() - b).abs().max().item() / b.abs().max().item() for a, b in pairs)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])  # mp=2 x dp=1, mp=2 x dp=2
+# world 2: mp=2 x dp=1; world 4: mp=2 x dp=2. The default run covers both worlds and both
+# default-run stages once each; the rest of the cross product is in the slow tier.
 @pytest.mark.parametrize(
-    "stage",
-    [0, 2, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+    ("world_size", "stage"),
+    [
+        (2, 0),
+        (4, 2),
+        *(
+            pytest.param(world, stage, marks=pytest.mark.slow)
+            for world, stage in [(2, 2), (4, 0), (2, 1), (4, 1), (2, 3), (4, 3)]
+        ),
+    ],
 )
 def test_column_row_parallel_mlp_clipped_matches_the_full_mlp(world_size: int, stage: int) -> None:
     errors = run_on_ranks(_mpu_body, world_size, stage=stage, timeout=300, fresh=True)

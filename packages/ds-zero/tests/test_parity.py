@@ -135,7 +135,9 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# Each variant at 2 ranks in the default run; at 4 ranks in the slow tier (the 4-rank paths of the
+# default layout are covered by test_parameters_match_single_process_training[4]).
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "extra", VARIANTS, ids=lambda e: next(iter(e)) + "=" + str(next(iter(e.values())))
 )
