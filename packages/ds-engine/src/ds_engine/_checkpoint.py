@@ -393,13 +393,16 @@ def _load_module(
 
 
 def _read_model_file(pending: PendingVerification, path: Path) -> dict[str, Any]:
-    """The model file, read while the checksums run; a reading error is noted for the verdict
-    (every rank hears of it) instead of raised here."""
+    """The model file, read while the checksums run and then hashed from what was read (no
+    second read); a reading error is noted for the verdict (every rank hears of it) instead of
+    raised here."""
     try:
-        return load_file(path)
+        state = load_file(path)
     except CheckpointError as exc:
         pending.note(str(exc))
         return {}
+    pending.hash_loaded(path, state)
+    return state
 
 
 def _load_weights_from_shards(
@@ -481,8 +484,9 @@ def load_checkpoint(
     # Without the optimizer's states only the fp32 masters of the shards are read: only those
     # bytes are checked (ds-zero's [Note: a path verifies what it uses]).
     values = None if from_shards else ("param",)
-    with start_verification(path, values=values) as pending:
-        state = _read_model_file(pending, path / f"mp_rank_{_mp_rank(engine):02d}_model_states.pt")
+    model_file = f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
+    with start_verification(path, values=values, loaded=(model_file,)) as pending:
+        state = _read_model_file(pending, path / model_file)
         # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded);
         # without the optimizer's states ZeRO-1/2 rebuild the fp32 masters from the weights
         # and read no zero file, so none is checked (ds-zero's [Note: a path verifies what it

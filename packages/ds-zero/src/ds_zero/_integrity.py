@@ -55,16 +55,21 @@ a load never reads (Adam moments) is not its error; a full load, which reads the
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ds_zero._checksums import CHUNK, ChunkedCrcWriter, spans_crc
+from ds_zero._checksums import chunks as _chunks
+from ds_zero._checksums import crc32 as _crc32
+from ds_zero._checksums import crc_range as _crc_range
+from ds_zero._checksums import crc_ranges as _crc_ranges
+from ds_zero._checksums import threads as _threads
 from ds_zero._ranks import agree, ranks_in
 from ds_zero._read_checks import (
     HelpedPool,
@@ -72,17 +77,12 @@ from ds_zero._read_checks import (
     batches,
     fusable,
     gap_spans,
+    listing,
     loaded_matches,
-    spans_crc,
     tensor_crcs,
     walk,
     wanted_tensors,
 )
-
-try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's, ~3x faster), when built
-    from ds_native import crc32 as _crc32
-except ImportError:  # ds-native absent, or a release without crc32
-    from zlib import crc32 as _crc32
 
 __all__ = [
     "CHUNK",
@@ -106,7 +106,6 @@ __all__ = [
 
 DIRECTORY_MANIFEST = "ds_manifest.json"
 DIRECTORY_FORMAT = "ds.checkpoint/1"
-CHUNK = 16 << 20
 _SEAL = "manifest_crc32"
 
 
@@ -114,72 +113,7 @@ class CheckpointError(ValueError):
     """A checkpoint directory that is incomplete, corrupted or does not fit the optimizer."""
 
 
-# --- checksums -----------------------------------------------------------------------------------
-
-
-def _threads(reserve: int = 0) -> int:
-    """Checksum threads for this process: its share of the cores (``LOCAL_WORLD_SIZE``
-    processes share them), less ``reserve`` cores left to a loader running beside them."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, (os.cpu_count() or 1) // max(1, local) - reserve))
-
-
-def _crc_range(path: Path, start: int, length: int) -> int:
-    """CRC-32 of ``length`` bytes of ``path`` from ``start`` (fewer at the end of the file),
-    hashed straight from the page cache through a read-only mapping: no copy into a buffer of
-    our own, and the loader's own mapping of the file reads the same pages."""
-    with open(path, "rb") as f:
-        length = min(length, os.fstat(f.fileno()).st_size - start)
-        if length <= 0:
-            return 0
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        size = start - base + length
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=base)
-        with mapped, memoryview(mapped) as view, view[start - base :] as part:
-            return _crc32(part)
-
-
-def _crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:
-    """CRC-32 of each ``(path, start, length)``, on a few threads (both CRC-32s release the GIL)."""
-    if len(jobs) <= 1:
-        return [_crc_range(*job) for job in jobs]
-    with ThreadPoolExecutor(min(_threads(), len(jobs))) as pool:
-        return list(pool.map(lambda job: _crc_range(*job), jobs))
-
-
-def _chunks(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
-    chunk = chunk or CHUNK
-    return [(at, min(chunk, size - at)) for at in range(0, size, chunk)] or [(0, 0)]
-
-
-class ChunkedCrcWriter:
-    """A write-only stream that forwards bytes and keeps the CRC-32 of each ``CHUNK`` of them, so
-    a file's record costs no second read."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file, self.bytes, self.crcs, self._crc = file, 0, [], 0
-
-    def write(self, data: bytes) -> int:
-        view = memoryview(data).cast("B")
-        while len(view):
-            room = CHUNK - self.bytes % CHUNK
-            part, view = view[:room], view[room:]
-            self._crc = _crc32(part, self._crc)
-            self.bytes += len(part)
-            if self.bytes % CHUNK == 0:
-                self.crcs.append(self._crc)
-                self._crc = 0
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def record(self) -> dict[str, Any]:
-        """``{"bytes", "crc32": [per chunk]}`` of everything written."""
-        crcs = list(self.crcs)
-        if self.bytes % CHUNK or not crcs:
-            crcs.append(self._crc)
-        return {"bytes": self.bytes, "crc32": crcs}
+# --- records --------------------------------------------------------------------------------------
 
 
 def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
@@ -448,11 +382,7 @@ def verify_files(
 
 
 def _listing(directory: Path) -> list[str]:
-    return sorted(
-        str(p.relative_to(directory))
-        for p in directory.rglob("*")
-        if p.is_file() and p.name != DIRECTORY_MANIFEST and not p.name.startswith(".")
-    )
+    return listing(directory, DIRECTORY_MANIFEST)
 
 
 def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
@@ -540,6 +470,7 @@ class PendingVerification:
         group: Any,
         values: Collection[str] | None = None,
         overlap: bool = True,
+        loaded: Collection[str] = (),
     ) -> None:
         self.directory, self.group, self.values = directory, group, values
         self.rank, self.world = ranks_in(group)
@@ -568,7 +499,8 @@ class PendingVerification:
         threads = _threads(reserve=1 if overlap else 0)
         self._pool = HelpedPool(threads)
         for name in mine:
-            if overlap and _is_shard_file(name) and fusable(files[name]):
+            handed = _is_shard_file(name) or name in loaded
+            if overlap and handed and fusable(files[name]):
                 self._deferred.append(name)
             else:
                 self._jobs[name] = self._submit(name, files[name])
@@ -745,6 +677,7 @@ def start_verification(
     *,
     group: Any = None,
     values: Collection[str] | None = None,
+    loaded: Collection[str] = (),
 ) -> PendingVerification:
     """Start checking a checkpoint directory against its ``ds_manifest.json`` on threads and
     return at once, so the checksums overlap the loader's reads (see [Note: verification
@@ -755,7 +688,11 @@ def start_verification(
     verifies what it uses]); None checks every byte of every file. A loader that maps a ZeRO
     shard file hands it to :meth:`~PendingVerification.hash_loaded`, which checks it from the
     mapped tensors (see [Note: verifying what the loader read]); files the load turns out not
-    to read are dropped with :meth:`~PendingVerification.skip`.
+    to read are dropped with :meth:`~PendingVerification.skip`. ``loaded``: the other files
+    (names relative to the directory, such as the model states file) the caller reads before
+    the verdict and hands to :meth:`~PendingVerification.hash_loaded`: they are hashed from
+    the loader's tensors instead of read a second time (and apart, at the verdict, if never
+    handed over).
 
     Example:
         >>> with start_verification(path) as pending:
@@ -763,7 +700,7 @@ def start_verification(
         ...     pending.wait()  # every rank's verdict
         ...     model.load_state_dict(state)
     """
-    return PendingVerification(Path(directory), group, values)
+    return PendingVerification(Path(directory), group, values, loaded=loaded)
 
 
 def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ Manifests written before ``gaps_crc32`` are checked by chunks, as before.
 from __future__ import annotations
 
 import ctypes
-import mmap
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,10 +29,8 @@ from typing import Any
 
 import torch
 
-try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's), when built
-    from ds_native import crc32 as _crc32
-except ImportError:  # ds-native absent, or a release without crc32
-    from zlib import crc32 as _crc32
+from ds_zero._checksums import crc32 as _crc32
+from ds_zero._checksums import spans_crc
 
 __all__ = [
     "HelpedPool",
@@ -40,6 +38,7 @@ __all__ = [
     "batches",
     "fusable",
     "gap_spans",
+    "listing",
     "loaded_matches",
     "spans_crc",
     "tensor_crcs",
@@ -47,7 +46,7 @@ __all__ = [
     "wanted_tensors",
 ]
 
-_BATCH = 16 << 20  # bytes of tensors hashed per job
+_BATCH = 4 << 20  # bytes of tensors hashed per job (small: the waiting loader takes some)
 
 # What a pending check holds of a file the loader handed over: each tensor's dtype and shape,
 # the jobs hashing them (each a list of CRC-32s), the tensors' names in the jobs' order, and
@@ -59,9 +58,9 @@ LoadedFile = tuple[
 
 def walk(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
     """Every tensor of a loaded object with its path (``module/tok.weight``, ``p0/param``)."""
-    if torch.is_tensor(obj):
+    if isinstance(obj, torch.Tensor):
         out.append((prefix or "<root>", obj))
-    elif isinstance(obj, Mapping):
+    elif isinstance(obj, (dict, Mapping)):  # a dict's check first: Mapping's is slow
         for key, value in obj.items():
             walk(value, f"{prefix}/{key}" if prefix else str(key), out)
     elif isinstance(obj, (list, tuple)):
@@ -126,19 +125,25 @@ def gap_spans(tensors: Mapping[str, Mapping[str, Any]], size: int) -> list[tuple
     return spans
 
 
-def spans_crc(path: Path, spans: Sequence[tuple[int, int]]) -> int:
-    """The CRC-32 of ``spans`` of ``path`` one after another (read through a mapping: only
-    their pages are touched). Raises OSError/ValueError for a file shorter than the spans."""
-    crc = 0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        size = len(mapped)
-        with memoryview(mapped) as view:
-            for start, length in spans:
-                if start + length > size:
-                    raise ValueError(f"{path} is shorter than its record")
-                with view[start : start + length] as part:
-                    crc = _crc32(part, crc)
-    return crc
+def _listed(name: str, manifest_name: str) -> bool:
+    return name != manifest_name and not name.startswith(".")
+
+
+def listing(directory: Path, manifest_name: str) -> list[str]:
+    """Every file under ``directory`` (relative, ``/``-separated, sorted) but ``manifest_name``
+    and hidden files: what a directory manifest must list (one ``scandir`` per folder)."""
+    found: list[str] = []
+
+    def scan(folder: str, prefix: str) -> None:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    scan(entry.path, f"{prefix}{entry.name}/")
+                elif entry.is_file() and _listed(entry.name, manifest_name):
+                    found.append(prefix + entry.name)
+
+    scan(str(directory), "")
+    return sorted(found)
 
 
 def wanted_tensors(

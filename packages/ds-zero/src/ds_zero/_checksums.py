@@ -1,0 +1,136 @@
+"""CRC-32 of checkpoint bytes: buffers, file ranges and the stream a save writes through.
+
+[Note: which CRC-32 runs]
+Every checksum of a checkpoint is zlib's CRC-32. Large buffers (a tensor, a 16 MiB chunk) go to
+ds-native's carry-less-multiply kernel (``ds_native.crc32``, several times zlib's speed with the
+GIL released; ds-native comes with ds-optim, which ds-zero depends on), or to zlib where
+ds-native cannot be imported. Small buffers (the few KiB between a file's tensors, a manifest)
+go to zlib: for them the native call's set-up costs more than the hashing, and zlib keeps the
+GIL below 5 KiB, so a thread hashing many of them does not give it up and wait to get it back
+behind the loader once per span. Small file ranges are read with ``os.pread`` (one system call
+each) instead of through a fresh mapping of the file (page faults and a mapping per call).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+
+try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's), when built
+    from ds_native import crc32 as _native_crc32
+except ImportError:  # ds-native absent, or a release without crc32
+    _native_crc32 = zlib.crc32
+
+__all__ = [
+    "CHUNK",
+    "ChunkedCrcWriter",
+    "chunks",
+    "crc32",
+    "crc_range",
+    "crc_ranges",
+    "spans_crc",
+    "threads",
+]
+
+CHUNK = 16 << 20
+_SMALL = 64 << 10  # below this, zlib (see [Note: which CRC-32 runs])
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """``zlib.crc32(data, value)`` of any C-contiguous buffer, by the fastest code for its size
+    (see [Note: which CRC-32 runs])."""
+    if memoryview(data).nbytes < _SMALL:
+        return zlib.crc32(data, value)
+    return _native_crc32(data, value)
+
+
+def threads(reserve: int = 0) -> int:
+    """Checksum threads for this process: its share of the cores (``LOCAL_WORLD_SIZE``
+    processes share them), less ``reserve`` cores left to a loader running beside them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, local) - reserve))
+
+
+def crc_range(path: Path, start: int, length: int) -> int:
+    """CRC-32 of ``length`` bytes of ``path`` from ``start`` (fewer at the end of the file):
+    small ranges read with ``pread``, large ones hashed straight from the page cache through a
+    read-only mapping (no copy into a buffer of our own; the loader's mapping reads the same
+    pages)."""
+    with open(path, "rb") as f:
+        length = min(length, os.fstat(f.fileno()).st_size - start)
+        if length <= 0:
+            return 0
+        if length < _SMALL:
+            return zlib.crc32(os.pread(f.fileno(), length, start))
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        size = start - base + length
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=base)
+        with mapped, memoryview(mapped) as view, view[start - base :] as part:
+            return crc32(part)
+
+
+def crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:
+    """CRC-32 of each ``(path, start, length)``, on a few threads (both CRC-32s release the GIL)."""
+    if len(jobs) <= 1:
+        return [crc_range(*job) for job in jobs]
+    with ThreadPoolExecutor(min(threads(), len(jobs))) as pool:
+        return list(pool.map(lambda job: crc_range(*job), jobs))
+
+
+def spans_crc(path: Path, spans: Sequence[tuple[int, int]]) -> int:
+    """The CRC-32 of ``spans`` of ``path`` one after another (each read with ``pread``: only
+    their bytes are touched). Raises ValueError for a file shorter than the spans."""
+    crc = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, length in spans:
+            while length > 0:  # large spans in pieces: no buffer bigger than a chunk
+                part = os.pread(fd, min(length, CHUNK), start)
+                if not part:
+                    raise ValueError(f"{path} is shorter than its record")
+                crc = crc32(part, crc)
+                start, length = start + len(part), length - len(part)
+    finally:
+        os.close(fd)
+    return crc
+
+
+def chunks(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """``(start, length)`` of each ``chunk``-byte piece of a ``size``-byte file."""
+    chunk = chunk or CHUNK
+    return [(at, min(chunk, size - at)) for at in range(0, size, chunk)] or [(0, 0)]
+
+
+class ChunkedCrcWriter:
+    """A write-only stream that forwards bytes and keeps the CRC-32 of each ``CHUNK`` of them, so
+    a file's record costs no second read."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.bytes, self.crcs, self._crc = file, 0, [], 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        while len(view):
+            room = CHUNK - self.bytes % CHUNK
+            part, view = view[:room], view[room:]
+            self._crc = crc32(part, self._crc)
+            self.bytes += len(part)
+            if self.bytes % CHUNK == 0:
+                self.crcs.append(self._crc)
+                self._crc = 0
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def record(self) -> dict[str, Any]:
+        """``{"bytes", "crc32": [per chunk]}`` of everything written."""
+        crcs = list(self.crcs)
+        if self.bytes % CHUNK or not crcs:
+            crcs.append(self._crc)
+        return {"bytes": self.bytes, "crc32": crcs}
