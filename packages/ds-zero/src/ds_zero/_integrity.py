@@ -307,7 +307,7 @@ def file_problem(
 
 def _is_shard_file(name: str) -> bool:
     """Whether ``name`` is a ds-zero shard file (tensors keyed ``<piece>/<value>``)."""
-    parts = Path(name).parts
+    parts = name.split("/")  # manifest names are POSIX paths
     return (
         len(parts) == 2 and parts[0].startswith("zero") and parts[1].startswith("zero_shards_rank")
     )
@@ -531,7 +531,7 @@ class PendingVerification:
             return
         wanted = set(wanted_tensors(record, _is_shard_file(name), self.values))
         found: list[tuple[str, torch.Tensor]] = []
-        walk(obj, "", found)
+        walk(obj, "", found, wanted)
         tensors = [(n, t) for n, t in found if n in wanted and t.device.type == "cpu"]
         meta = {n: (str(t.dtype), list(t.shape)) for n, t in tensors}
         jobs, order = [], []

@@ -56,16 +56,40 @@ LoadedFile = tuple[
 ]
 
 
-def walk(obj: Any, prefix: str, out: list[tuple[str, torch.Tensor]]) -> None:
-    """Every tensor of a loaded object with its path (``module/tok.weight``, ``p0/param``)."""
+def walk(
+    obj: Any,
+    prefix: str,
+    out: list[tuple[str, torch.Tensor]],
+    only: Collection[str] | None = None,
+) -> None:
+    """Every tensor of a loaded object with its path (``module/tok.weight``, ``p0/param``).
+    ``only``: paths wanted; the top-level entries of a mapping holding none of them are not
+    walked (a shard file's ``__index__``, its Adam moments when only the masters are read)."""
     if isinstance(obj, torch.Tensor):
         out.append((prefix or "<root>", obj))
     elif isinstance(obj, (dict, Mapping)):  # a dict's check first: Mapping's is slow
+        heads = None if only is None else {_head(n) for n in only}
         for key, value in obj.items():
-            walk(value, f"{prefix}/{key}" if prefix else str(key), out)
+            if heads is None or _may_hold(str(key), heads):
+                walk(value, f"{prefix}/{key}" if prefix else str(key), out)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            walk(value, f"{prefix}[{i}]", out)
+            if not isinstance(value, _LEAVES):
+                walk(value, f"{prefix}[{i}]", out)
+
+
+_LEAVES = (str, bytes, int, float, bool, type(None))
+
+
+def _may_hold(key: str, heads: Collection[str]) -> bool:
+    """Whether the top-level entry ``key`` may hold a path of ``heads`` (a key with ``/`` or
+    ``[`` in it is always walked: its paths' heads are cut short)."""
+    return key in heads or "/" in key or "[" in key
+
+
+def _head(path: str) -> str:
+    """The top-level key of a tensor path made by :func:`walk` (``p0`` of ``p0/param``)."""
+    return path.split("/", 1)[0].split("[", 1)[0]
 
 
 def tensor_span(t: torch.Tensor) -> tuple[int, int]:
