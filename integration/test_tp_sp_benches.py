@@ -1,8 +1,8 @@
 """The AutoTP and Ulysses benchmarks (tools/bench/autotp.py, ulysses.py) run end to end on 2 local
 ranks and print the communication bytes the comms logger counted, next to their hand count.
 
-Tiny sizes keep them fast; the full tables are the `bench` nox session's job (and
-docs/tensor_parallel.md, docs/sequence_parallel.md).
+Tiny sizes keep them fast (the AutoTP one, 4 rank processes, is marked slow); the full tables
+are the `bench` nox session's job (and docs/tensor_parallel.md, docs/sequence_parallel.md).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # "... = 0.4375 MiB/step (measured all-reduce: 0.4375 MiB)": the footer's hand count and measure.
@@ -22,7 +24,7 @@ def _run(script: str, *args: str) -> str:
         [sys.executable, str(ROOT / "tools/bench" / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -46,6 +48,7 @@ def _hand_count(out: str) -> tuple[float, float]:
     return expected, measured
 
 
+@pytest.mark.slow  # 4 rank processes (tp1 x dp2, tp2 x dp1): ~40 s of CPU
 def test_autotp_benchmark_counts_the_tensor_parallel_all_reduces() -> None:
     tiny = ["--dim", "32", "--heads", "4", "--layers", "1", "--vocab", "64", "--seq", "8"]
     out = _run("autotp.py", *tiny, "--steps", "2", "--warmup", "1")

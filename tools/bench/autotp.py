@@ -219,9 +219,9 @@ def print_table(results: dict[int, dict], args: argparse.Namespace) -> None:
         )
     print(
         "(MiB each rank puts on the wire per step, by collective kind, from ds-comm's comms "
-        "logger, mean over ranks; all-reduce: the tensor-parallel activations' and the gradient "
-        "norm's; reduce-scatter / all-gather: ZeRO's data-parallel gradient reduction and "
-        "parameter gather, dp > 1 only)"
+        "logger, mean over ranks; all-reduce: the tensor-parallel activations', the gradient "
+        "norm's and, at ZeRO-0 with dp > 1, the data-parallel gradients'; reduce-scatter / "
+        "all-gather: ZeRO-1/2's data-parallel gradient reduction and parameter gather, dp > 1)"
     )
     for tp in args.modes:
         if tp > 1:
