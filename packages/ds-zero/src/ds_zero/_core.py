@@ -5,8 +5,8 @@ clip -> optimizer step -> publish, reported as a :class:`ds_optim.StepResult`.
 [Note: one step]
 ``backward(loss)`` scales the loss (loss scale / accumulation steps), arms the layout's reducer
 (``reducer.begin``: whether this pass completes the window), runs autograd, waits for the
-reductions (``reducer.finish``) and ends the residency's iteration (``_end_iteration``: stage
-3's prefetch trace). ``step()`` at the accumulation boundary:
+reductions (``reducer.finish``) and ends the residency's iteration (``residency.end_iteration``:
+stage 3's prefetch trace). ``step()`` at the accumulation boundary:
 
 1. reduces what backward left local (``reducer.flush``: stages 0/1 off the boundary);
 2. takes the layout's fp32 gradients of the master partitions (``_master_grads``) and their
@@ -24,7 +24,8 @@ reductions (``reducer.finish``) and ends the residency's iteration (``_end_itera
 Stages differ only in the layout the host class supplies: its reducer (``_reduce.py``'s flat
 buckets for stages 0-2, ``_shard_reduce.py``'s per-parameter shards for stage 3, both through
 ``_streams.py``'s collective queue and side stream) with its masters and write-back, and the
-parameter residency (whole, or partitioned with stage 3's gather/release hooks). The sequence
+parameter residency (``_residency.py``'s [Note: parameter residency]: whole, or partitioned with
+stage 3's gather/release hooks), a strategy object the core holds. The sequence
 above, the window and the counters are written once, here.
 """
 
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from ds_optim import StepResult
+from ds_zero._residency import Residency, WholeResidency
 
 __all__ = ["GradientCore"]
 
@@ -50,7 +52,8 @@ class GradientCore:
     The host class sets ``gradient_accumulation_steps``, ``gradient_clipping``, ``loss_scaler``,
     ``optimizer`` and ``reducer`` (``begin``/``finish``/``abort``/``flush``/``zero``), calls
     :meth:`_init_core`, and supplies the rest of the layout: ``_master_grads``,
-    ``_global_norm`` and ``_apply`` (and ``_end_iteration`` for a partitioned residency).
+    ``_global_norm`` and ``_apply``; the parameter residency (``_residency.py``) is passed to
+    :meth:`_init_core` (default: whole parameters).
     """
 
     gradient_accumulation_steps: int
@@ -58,8 +61,10 @@ class GradientCore:
     loss_scaler: Any
     optimizer: Any
     reducer: Any
+    residency: Residency
 
-    def _init_core(self) -> None:
+    def _init_core(self, residency: Residency | None = None) -> None:
+        self.residency = residency if residency is not None else WholeResidency()
         self.micro_steps = 0  # backward passes
         self._window = 0  # backward passes since the last optimizer step
         self._backward_since_step = False
@@ -80,9 +85,6 @@ class GradientCore:
 
     def _apply(self, grads: Sequence[torch.Tensor]) -> None:
         raise NotImplementedError
-
-    def _end_iteration(self) -> None:
-        """After every backward (also a failed one): the residency's end of an iteration."""
 
     # --- the window -----------------------------------------------------------------------------
 
@@ -149,7 +151,7 @@ class GradientCore:
             self.reducer.abort()
             raise
         finally:
-            self._end_iteration()
+            self.residency.end_iteration()
         self.micro_steps += 1
         self._window += 1
         self._backward_since_step = True

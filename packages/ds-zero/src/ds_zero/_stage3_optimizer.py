@@ -88,11 +88,12 @@ from ds_zero._optimizer import (
 )
 from ds_zero._param_access import register_param_owner
 from ds_zero._partitioned import ParamPartitioner, shard_bounds
+from ds_zero._residency import PartitionedResidency
 from ds_zero._shard_reduce import ShardGradReducer, Slot
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._stage3 import PrefetchStats, Stage3Hooks
 from ds_zero._streams import CollectiveQueue
-from ds_zero._zeropp import build_weight_comm, quantized_reduce_scatter
+from ds_zero._zeropp import quantized_reduce_scatter
 from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
 __all__ = ["Stage3Optimizer"]
@@ -216,19 +217,14 @@ class Stage3Optimizer(GradientCore):
         self._swap = self._state_swap(swapper)
         self.norm_group = norm_group
         self._norm_exclude = self._excluded_slots(norm_exclude)
-        # ZeRO++ qwZ/hpZ: how the hooks' gathers travel, qgZ: how gradients are reduced
-        # (_zeropp.py's [Note: ZeRO++])
+        # ZeRO++ qgZ: how gradients are reduced (_zeropp.py's [Note: ZeRO++])
         qgz = quantized_reduce_scatter if self.config.zero_quantized_gradients else None
         if self.mics is not None:  # then the mean over the replicas
             qgz = self.mics.reduce(qgz or ds_comm.reduce_scatter_tensor)
-        self.partitioner.weight_comm = build_weight_comm(self.config, self.group, self.world_size)
-        self.hooks = Stage3Hooks(
-            model,
-            self.partitioner,
-            prefetch_bucket_size=self.config.stage3_prefetch_bucket_size,
-            max_live_parameters=self.config.stage3_max_live_parameters,
-            max_reuse_distance=self.config.stage3_max_reuse_distance,
+        residency = PartitionedResidency(
+            model, self.partitioner, self.config, group=self.group, world_size=self.world_size
         )
+        self._partitioned = residency
         self.queue = CollectiveQueue(
             self._grad_device(),
             overlap=bool(self.config.overlap_comm),
@@ -245,12 +241,12 @@ class Stage3Optimizer(GradientCore):
             self.queue,
             group=self.group,
             world_size=self.world_size,
-            release=lambda p: self.partitioner.release([p], free_storage=True),
+            release=residency.release,
             names=self.names,
             own_groups=own_groups,
             reduce_scatter=qgz,
         )
-        self._init_core()
+        self._init_core(residency)
         register_param_owner(self, self._slots_params())
         host = self.host_memory()
         if host:
@@ -413,9 +409,14 @@ class Stage3Optimizer(GradientCore):
         return self.reducer.grad_shards
 
     @property
+    def hooks(self) -> Stage3Hooks:
+        """The partitioned residency's module hooks (gather/release around each module)."""
+        return self._partitioned.hooks
+
+    @property
     def prefetch_stats(self) -> PrefetchStats:
         """Prefetch hits, misses and trace invalidations so far."""
-        return self.hooks.stats
+        return self._partitioned.stats
 
     # --- gradient reduction ----------------------------------------------------------------------
 
@@ -425,10 +426,6 @@ class Stage3Optimizer(GradientCore):
         return self.partitioner._device_of(params[0]) if params else torch.device("cpu")
 
     # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
-
-    def _end_iteration(self) -> None:
-        """The partitioned residency: end the prefetch trace of this forward/backward."""
-        self.hooks.end_iteration()
 
     def _master_grads(self) -> list[torch.Tensor]:
         return [self.reducer.grad_shard(i) for i in range(len(self.masters))]
@@ -518,13 +515,11 @@ class Stage3Optimizer(GradientCore):
         """Write the masters (or their low-precision copies) into the shards, and persistent
         parameters whole."""
         sources = low if low is not None else self.masters
-        self.partitioner.drop_secondary()  # ZeRO++ hpZ: the copies hold the old values
+        self.residency.before_publish()
         with torch.no_grad():
             for p, master in self._resident_shards(sources):
                 p.ds_tensor.copy_(master)
-            self.partitioner.write_full_from_shards(
-                [p for p in self._slots_params() if p.ds_persist]
-            )
+            self.residency.after_publish(self._slots_params())
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the parameter shards (DeepSpeed's name)."""
@@ -557,7 +552,7 @@ class Stage3Optimizer(GradientCore):
     def destroy(self) -> None:
         """Remove the module and gradient hooks (DeepSpeed's name); the parameters stay
         partitioned."""
-        self.hooks.remove()
+        self.residency.remove()
         self.reducer.remove_hooks()
 
     # --- state -----------------------------------------------------------------------------------
@@ -689,8 +684,7 @@ class Stage3Optimizer(GradientCore):
         params = self.partitioner.shard_nbytes()
         grads = sum(4 * m.numel() for m in self.masters)  # fp32, while gradients exist
         optimizer_state = sum(self._optimizer_state_bytes().values())
-        itemsize = self.partitioner.params[0].element_size() if self.partitioner.params else 0
-        working = self.partitioner.peak_gathered_numel * itemsize
+        working = self.residency.working_bytes
         return MemoryBreakdown(
             params=params,
             grads=grads,
