@@ -42,7 +42,7 @@ def _reduced_partitions(rank: int, world_size: int, *, stage: int, accum: int, *
     batch = global_batches(1, ROWS_PER_MICRO_BATCH * world_size * accum)[0]
     for micro in micro_batches(batch, rank, world_size, accum):
         zero.backward(model(micro))
-    return zero, [zero._master_grad(g).clone() for g in zero.groups]
+    return zero, [zero.layout._master_grad(g).clone() for g in zero.groups]
 
 
 def _reference_partitions(zero, world_size: int, *, accum: int, bf16_inputs: bool = False):

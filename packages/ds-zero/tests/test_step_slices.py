@@ -1,5 +1,5 @@
 """The optimizer step over slices of a flat CPU master (see [Note: stepping a flat master in
-slices] in ``_optimizer.py``) is bit for bit the whole step, for every optimizer it slices, and
+slices] in ``_step_slices.py``) is bit for bit the whole step, for every optimizer it slices, and
 leaves the optimizer's param groups and state dict as a whole step does."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ds_optim
 from ds_testing import run_on_ranks
-from ds_zero import _optimizer
-from ds_zero._optimizer import step_in_slices
+from ds_zero import _step_slices
+from ds_zero._step_slices import step_in_slices
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ds_zero_testing import adam, global_batches, make_model, micro_batches
@@ -98,7 +98,7 @@ class _Growing(torch.optim.Optimizer):
 
 
 def test_state_added_by_a_sliced_step_is_kept_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_optimizer, "_SLICEABLE", (*_optimizer._SLICEABLE, _Growing))
+    monkeypatch.setattr(_step_slices, "_SLICEABLE", (*_step_slices._SLICEABLE, _Growing))
     whole, whole_opt = _flat_optimizer(_Growing)
     sliced, sliced_opt = _flat_optimizer(_Growing)
     for step in range(5):
@@ -165,15 +165,15 @@ def _train(rank: int, world_size: int, stage: int, numel: int) -> tuple[list[tor
 
     optimizer.step = counted_step  # type: ignore[method-assign]
     zero = ZeroOptimizer(model, optimizer, config, gradient_clipping=0.5)
-    default = _optimizer.STEP_SLICE_NUMEL
-    _optimizer.STEP_SLICE_NUMEL = numel  # workers are reused: restored below
+    default = _step_slices.STEP_SLICE_NUMEL
+    _step_slices.STEP_SLICE_NUMEL = numel  # workers are reused: restored below
     try:
         for batch in global_batches(4, 8):
             for micro in micro_batches(batch, rank, world_size, 1):
                 zero.backward(model(micro))
                 zero.step()
     finally:
-        _optimizer.STEP_SLICE_NUMEL = default
+        _step_slices.STEP_SLICE_NUMEL = default
     return [p.detach().clone() for p in model.parameters()], len(calls)
 
 

@@ -3,68 +3,133 @@ backward pass around the layout's reduction, and the sequence norm -> non-finite
 clip -> optimizer step -> publish, reported as a :class:`ds_optim.StepResult`.
 
 [Note: one step]
+The core holds two strategies, chosen from ``ZeroConfig``'s flags by the public classes (and
+``build_zero_optimizer``, ``_factory.py``): a :class:`Layout` (how gradients and fp32 masters
+are laid out: ``_flat_layout.py``'s flat buckets for stages 0-2, ``_shard_layout.py``'s
+per-parameter shards when ``shard_parameters``; ``_local.py``'s local gradients for optimizers
+that reduce their own) and a :class:`~ds_zero._residency.Residency` (where parameters live:
+whole, or partitioned with stage 3's gather/release hooks; ``_residency.py``'s [Note: parameter
+residency]). ``ZeroOptimizer`` is the core with the flat layout and whole parameters,
+``Stage3Optimizer`` the core with the shard layout and partitioned parameters; the core tests
+neither the stage nor the strategies' types.
+
 ``backward(loss)`` scales the loss (loss scale / accumulation steps), arms the layout's reducer
 (``reducer.begin``: whether this pass completes the window), runs autograd, waits for the
 reductions (``reducer.finish``) and ends the residency's iteration (``residency.end_iteration``:
 stage 3's prefetch trace). ``step()`` at the accumulation boundary:
 
 1. reduces what backward left local (``reducer.flush``: stages 0/1 off the boundary);
-2. takes the layout's fp32 gradients of the master partitions (``_master_grads``) and their
-   global L2 norm (``_global_norm``, reduced over the data-parallel group and any norm group,
-   so every rank sees the same value);
+2. takes the layout's fp32 gradients of the master partitions (``layout.master_grads``) and
+   their global L2 norm (``layout.global_norm``, reduced over the data-parallel group and any
+   norm group, so every rank sees the same value);
 3. a non-finite norm skips the step on every rank (see ds-optim's [Note: one non-finite
    policy]): with a loss scaler the scale is lowered, without one a warning is logged; the
    gradients are zeroed and the result says ``overflow``;
 4. scales the gradients once by ``1 / (loss_scale * clip)`` with DeepSpeed's clip rule
    ``clip = max(1, (norm + 1e-6) / gradient_clipping)`` on the unscaled norm;
 5. steps the wrapped optimizer on the masters and publishes them into the model's parameters
-   (``_apply``: the layout's write-back, gathers or shard copies), then zeroes the gradients
+   (``layout.apply``: the layout's write-back, gathers or shard copies, bracketed by the
+   residency's ``before_publish``/``after_publish``), then zeroes the gradients
    (``reducer.zero``).
 
-Stages differ only in the layout the host class supplies: its reducer (``_reduce.py``'s flat
-buckets for stages 0-2, ``_shard_reduce.py``'s per-parameter shards for stage 3, both through
-``_streams.py``'s collective queue and side stream) with its masters and write-back, and the
-parameter residency (``_residency.py``'s [Note: parameter residency]: whole, or partitioned with
-stage 3's gather/release hooks), a strategy object the core holds. The sequence
-above, the window and the counters are written once, here.
+Both reducers (``_reduce.py``'s flat buckets, ``_shard_reduce.py``'s per-parameter shards) go
+through ``_streams.py``'s collective queue and side stream. The sequence above, the window, the
+counters and the core's part of a state dict (loss scaler, counters) are written once, here;
+the layouts save and load the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ds_optim import StepResult
-from ds_zero._residency import Residency, WholeResidency
+from ds_zero._residency import Residency
 
-__all__ = ["GradientCore"]
+__all__ = ["GradientCore", "Layout", "Reducer"]
 
 logger = logging.getLogger("ds_zero")
 
 
-class GradientCore:
-    """The accumulation window and the step sequence (see [Note: one step]).
+class Reducer(Protocol):
+    """A layout's gradient storage and reduction, as the core drives it."""
 
-    The host class sets ``gradient_accumulation_steps``, ``gradient_clipping``, ``loss_scaler``,
-    ``optimizer`` and ``reducer`` (``begin``/``finish``/``abort``/``flush``/``zero``), calls
-    :meth:`_init_core`, and supplies the rest of the layout: ``_master_grads``,
-    ``_global_norm`` and ``_apply``; the parameter residency (``_residency.py``) is passed to
-    :meth:`_init_core` (default: whole parameters).
+    def begin(self, reduce: bool) -> None:
+        """Arm the backward about to run (``reduce``: it completes the window)."""
+        ...
+
+    def finish(self) -> None:
+        """After a backward: wait for its reductions."""
+        ...
+
+    def abort(self) -> None:
+        """After a failed backward: drop what it started."""
+        ...
+
+    def flush(self) -> None:
+        """Reduce what backward left local."""
+        ...
+
+    def zero(self) -> None:
+        """Zero (or free) the gradients."""
+        ...
+
+
+class Layout(Protocol):
+    """How gradients and masters are laid out (see [Note: one step]): flat buckets
+    (``_flat_layout.py``) or per-parameter shards (``_shard_layout.py``)."""
+
+    @property
+    def reducer(self) -> Reducer:
+        """The gradient storage and reduction."""
+        ...
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients of the master partitions."""
+        ...
+
+    def global_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        """Their L2 norm over every rank (the same value on every rank)."""
+        ...
+
+    def apply(self, grads: Sequence[torch.Tensor]) -> None:
+        """Step the wrapped optimizer with ``grads`` and publish the masters."""
+        ...
+
+
+class GradientCore:
+    """The accumulation window and the step sequence (see [Note: one step]) over a layout and
+    a parameter residency.
+
+    Args:
+        layout: gradients, masters and write-back (flat buckets or per-parameter shards).
+        residency: where parameters live (whole, or partitioned with gather/release hooks).
+        optimizer: the wrapped optimizer (its param groups hold the layout's masters).
+        loss_scaler: ds-optim's loss scaler for fp16 (None: no scaling).
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        gradient_clipping: max global gradient norm (0: no clipping).
     """
 
-    gradient_accumulation_steps: int
-    gradient_clipping: float
-    loss_scaler: Any
-    optimizer: Any
-    reducer: Any
-    residency: Residency
-
-    def _init_core(self, residency: Residency | None = None) -> None:
-        self.residency = residency if residency is not None else WholeResidency()
+    def __init__(
+        self,
+        layout: Layout,
+        residency: Residency,
+        *,
+        optimizer: Any,
+        loss_scaler: Any,
+        gradient_accumulation_steps: int,
+        gradient_clipping: float,
+    ) -> None:
+        self.layout, self.residency = layout, residency
+        self.reducer = layout.reducer
+        self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.gradient_clipping = float(gradient_clipping)
         self.micro_steps = 0  # backward passes
         self._window = 0  # backward passes since the last optimizer step
         self._backward_since_step = False
@@ -74,17 +139,6 @@ class GradientCore:
         self._grad_norm: float | None = None
         self.overflow = False  # the last step's gradients held inf/nan (DeepSpeed's attribute)
         self._last_result: StepResult | None = None
-
-    # --- the layout (supplied by the host class) ------------------------------------------------
-
-    def _master_grads(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        raise NotImplementedError
-
-    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
-        raise NotImplementedError
 
     # --- the window -----------------------------------------------------------------------------
 
@@ -156,6 +210,12 @@ class GradientCore:
         self._window += 1
         self._backward_since_step = True
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (stages 0-2) or free (stage 3) every gradient; ``set_to_none`` is accepted for
+        torch parity."""
+        del set_to_none
+        self.reducer.zero()
+
     def reduce_gradients(self) -> None:
         """Reduce what backward left local now (``step()`` does it anyway when due)."""
         self.reducer.flush()
@@ -173,8 +233,8 @@ class GradientCore:
             return self._record(StepResult.not_due(self.loss_scale))
         self._window = 0
         self.reducer.flush()
-        grads = self._master_grads()
-        norm = self._global_norm(grads)
+        grads = self.layout.master_grads()
+        norm = self.layout.global_norm(grads)
         if not math.isfinite(norm):
             del grads  # freed before zero() allocates the next window's buffers
             return self._skip(norm)
@@ -185,7 +245,7 @@ class GradientCore:
             combined *= max(1.0, (self._grad_norm + 1e-6) / self.gradient_clipping)
         if combined != 1.0:
             torch._foreach_mul_(grads, 1.0 / combined)
-        self._apply(grads)
+        self.layout.apply(grads)
         del grads  # as above
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
@@ -254,7 +314,21 @@ class GradientCore:
         read by clients as they read a torch optimizer's (Lightning's teardown does)."""
         return self.optimizer.state
 
-    # --- counters in checkpoints ----------------------------------------------------------------
+    # --- the core's part of a state dict --------------------------------------------------------
+
+    def _core_state(self) -> dict[str, Any]:
+        """The loss scaler's state and the counters (the layout saves the rest)."""
+        return {
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "counters": self._counters(),
+        }
+
+    def _load_core_state(self, source: Mapping[str, Any]) -> None:
+        """Restore what :meth:`_core_state` saved into ``source``, then zero the gradients."""
+        if self.loss_scaler is not None and source.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(source["loss_scaler"])
+        self._load_counters(source.get("counters", {}))
+        self.reducer.zero()
 
     def _counters(self) -> dict[str, int]:
         return {

@@ -1,4 +1,5 @@
-"""``build_zero_optimizer``: the ZeRO optimizer a ``zero_optimization`` section asks for."""
+"""``build_zero_optimizer``: the ZeRO optimizer a ``zero_optimization`` section asks for: the
+step core (``_core.py``, [Note: one step]) with the strategies its flags choose."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def build_zero_optimizer(
     config: ZeroConfig | None = None,
     **kwargs: Any,
 ) -> ZeroOptimizer | Stage3Optimizer:
-    """:class:`~ds_zero.ZeroOptimizer` for stages 0-2, :class:`~ds_zero.Stage3Optimizer` for 3.
+    """The step core with the strategies ``config``'s flags choose: ``shard_parameters``
+    (stage 3) gives :class:`~ds_zero.Stage3Optimizer` (per-parameter shards, partitioned
+    parameters), otherwise :class:`~ds_zero.ZeroOptimizer` (flat buckets, whole parameters;
+    ``shard_optimizer_state``/``shard_gradients`` set how the buckets are sharded).
 
     Args:
         model: the module to train.

@@ -1,14 +1,14 @@
 """``SelfReducingStep``: the gradient-step core for optimizers that average their own gradients.
 
 [Note: optimizers that reduce their own gradients]
-ds-optim's 1-bit optimizers (``reduces_gradients = True``) take each rank's *local* gradients
-and run a compressed all-reduce with error feedback inside ``step()``; reducing the gradients
-before them would average twice and defeat the compression. For them the engine runs the core
-(``_core.py``) with this layout, at stage 0 only (as DeepSpeed): no reduction, gradients kept
-where autograd puts them (``p.grad``), the optimizer's own step. The norm is that of every
-rank's local gradients together (one scalar all-reduce), so a non-finite gradient on any rank
-skips the step on all of them (ds-optim's [Note: one non-finite policy]). Clipping is the
-optimizer's ``max_grad_norm``: only it sees the averaged gradient.
+ds-optim's 1-bit optimizers (``reduces_gradients = True``) take each rank's *local* gradients and
+run a compressed all-reduce with error feedback inside ``step()``; reducing the gradients before
+them would average twice and defeat the compression. For them the engine runs the core
+(``_core.py``) with this layout (``_LocalLayout``) and whole parameters, at stage 0 only (as
+DeepSpeed): no reduction, gradients kept where autograd puts them (``p.grad``), the optimizer's own
+step. The norm is that of every rank's local gradients together (one scalar all-reduce), so a
+non-finite gradient on any rank skips the step on all of them (ds-optim's [Note: one non-finite
+policy]). Clipping is the optimizer's ``max_grad_norm``: only it sees the averaged gradient.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._core import GradientCore
+from ds_zero._residency import WholeResidency
 from ds_zero.api import MemoryBreakdown
 
 __all__ = ["SelfReducingStep"]
@@ -49,6 +50,31 @@ class _LocalGrads:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+class _LocalLayout:
+    """The layout of local gradients: the optimizer's own parameters and step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any, distributed: bool) -> None:
+        self.optimizer, self.group, self._distributed = optimizer, group, distributed
+        self.reducer = _LocalGrads(optimizer)
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def global_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        device = grads[0].device if grads else torch.device("cpu")
+        local = global_grad_norm(grads) if grads else torch.zeros((), device=device)
+        square = local.double().square().reshape(1)
+        if self._distributed:
+            ds_comm.all_reduce(square, group=self.group)
+        value = float(square.item())
+        return math.sqrt(value) if math.isfinite(value) else value
+
+    def apply(self, grads: Sequence[torch.Tensor]) -> None:
+        del grads  # the optimizer reduces and applies the parameters' own gradients
+        self.optimizer.step()
+
+
 class SelfReducingStep(GradientCore):
     """The core over a ``reduces_gradients`` optimizer (see [Note: optimizers that reduce their
     own gradients]).
@@ -74,34 +100,19 @@ class SelfReducingStep(GradientCore):
         loss_scaler: Any,
         gradient_accumulation_steps: int,
     ) -> None:
-        self.module, self.optimizer, self.group = model, optimizer, group
-        self.loss_scaler = loss_scaler
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.gradient_clipping = 0.0
-        self.reducer = _LocalGrads(optimizer)
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._distributed = ds_comm.is_initialized() and ds_comm.get_world_size(group) > 1
-        if self._distributed:
+        self.module, self.group = model, group
+        distributed = ds_comm.is_initialized() and ds_comm.get_world_size(group) > 1
+        if distributed:
             for p in model.parameters():  # identical starting weights, as ds-zero does
                 ds_comm.broadcast(p.data, 0, group=group)
-        self._init_core()
-
-    # --- the layout the core drives (see _core.py's [Note: one step]) ----------------------------
-
-    def _master_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params if p.grad is not None]
-
-    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        device = grads[0].device if grads else torch.device("cpu")
-        local = global_grad_norm(grads) if grads else torch.zeros((), device=device)
-        square = local.double().square().reshape(1)
-        if self._distributed:
-            ds_comm.all_reduce(square, group=self.group)
-        value = float(square.item())
-        return math.sqrt(value) if math.isfinite(value) else value
-
-    def _apply(self, grads: Sequence[torch.Tensor]) -> None:
-        self.optimizer.step()
+        super().__init__(
+            _LocalLayout(optimizer, group, distributed),
+            WholeResidency(),
+            optimizer=optimizer,
+            loss_scaler=loss_scaler,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_clipping=0.0,  # the optimizer's max_grad_norm (see the note)
+        )
 
     # --- the rest of the engine's interface -----------------------------------------------------
 

@@ -99,7 +99,7 @@ class StateSwap:
 
     Every method takes the indices of the masters to move (None: all of them), so stage 3 can
     keep one sub-group's state in memory at a time and read the next one's while stepping the
-    current one (see ``_stage3_optimizer.py``'s [Note: ZeRO-Infinity sub-group pipeline]).
+    current one (see ``_shard_layout.py``'s [Note: ZeRO-Infinity sub-group pipeline]).
 
     Args:
         swapper: the NVMe swapper.

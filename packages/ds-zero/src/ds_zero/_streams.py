@@ -1,7 +1,7 @@
 """``SideStream`` and ``CollectiveQueue``: the one place that issues ZeRO's gradient collectives
 on a side stream, keeps them in flight and lands their results: every stage's reducer
 (the flat buckets of stages 0-2 in ``_reduce.py`` and the per-parameter shards of stage 3 in
-``_stage3_optimizer.py``) and stage 3's parameter all-gathers go through it.
+``_shard_reduce.py``) and stage 3's parameter all-gathers go through it.
 
 [Note: side streams for overlap]
 With ``overlap_comm`` on an accelerator with streams (CUDA), a collective and the copies around

@@ -26,13 +26,13 @@ from ds_zero._manifest import CheckpointError
 from ds_zero._shards import ShardLookup, TensorShard
 
 if TYPE_CHECKING:
+    from ds_zero._flat_layout import FlatLayout
     from ds_zero._layout import FlatGroup
-    from ds_zero._optimizer import ZeroOptimizer
 
 __all__ = ["zero_checkpoint_shards", "zero_load_checkpoint_shards"]
 
 
-def _check_supported(zero: ZeroOptimizer, lookup: ShardLookup | None = None) -> None:
+def _check_supported(zero: FlatLayout, lookup: ShardLookup | None = None) -> None:
     """Param groups with their own process groups (MoE experts) hold different values under
     the same names on different ranks: only a lookup that resolves each rank's own names
     (``lookup.per_rank_names``, e.g. by global expert id) can fill them."""
@@ -44,7 +44,7 @@ def _check_supported(zero: ZeroOptimizer, lookup: ShardLookup | None = None) -> 
 
 
 @contextlib.contextmanager
-def _resident_state(zero: ZeroOptimizer) -> Iterator[None]:
+def _resident_state(zero: FlatLayout) -> Iterator[None]:
     """Optimizer state swapped in from NVMe for the duration (a no-op otherwise)."""
     swap = zero._swap  # the NVMe swap of the optimizer's state (package-internal)
     if swap is not None:
@@ -57,7 +57,7 @@ def _resident_state(zero: ZeroOptimizer) -> Iterator[None]:
 
 
 def _held_ranges(
-    zero: ZeroOptimizer, group: FlatGroup
+    zero: FlatLayout, group: FlatGroup
 ) -> Iterator[tuple[str, torch.nn.Parameter, int, int, int]]:
     """``(name, param, start, stop, position in the master partition)`` of every parameter range
     this rank holds in ``group`` (see [Note: tensor shards of the flat layout])."""
@@ -72,7 +72,7 @@ def _held_ranges(
                 yield name, p, begin - offset, end - offset, unit.shard_start + begin - low
 
 
-def _elementwise_state(zero: ZeroOptimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
+def _elementwise_state(zero: FlatLayout, master: torch.Tensor) -> dict[str, torch.Tensor]:
     state = zero.optimizer.state.get(master, {})
     return {
         key: value
@@ -81,7 +81,7 @@ def _elementwise_state(zero: ZeroOptimizer, master: torch.Tensor) -> dict[str, t
     }
 
 
-def zero_checkpoint_shards(zero: ZeroOptimizer) -> list[TensorShard]:
+def zero_checkpoint_shards(zero: FlatLayout) -> list[TensorShard]:
     """This rank's pieces of every trainable parameter: fp32 master values and elementwise
     optimizer state (views; copy them before the next step).
 
@@ -110,13 +110,13 @@ def zero_checkpoint_shards(zero: ZeroOptimizer) -> list[TensorShard]:
     return shards
 
 
-def _frozen(zero: ZeroOptimizer) -> list[tuple[str, torch.nn.Parameter]]:
+def _frozen(zero: FlatLayout) -> list[tuple[str, torch.nn.Parameter]]:
     """Parameters outside the flat layout (``requires_grad=False``), by name."""
     trainable = {id(p) for group in zero.groups for p in group.params}
     return [(n, p) for n, p in zero.module.named_parameters() if id(p) not in trainable]
 
 
-def zero_load_checkpoint_shards(zero: ZeroOptimizer, lookup: ShardLookup) -> None:
+def zero_load_checkpoint_shards(zero: FlatLayout, lookup: ShardLookup) -> None:
     """Restore the fp32 masters (with ``load_from_fp32_weights``; else they are rebuilt from
     the model's weights) and the elementwise optimizer state from ``lookup``, then write the
     masters into the model's parameters. Scalar state (``step``, hyper-parameters) is the
@@ -164,7 +164,7 @@ def _write_ranges(master: torch.Tensor, ranges: list[tuple[int, torch.Tensor]]) 
 
 
 def _read_shards(
-    zero: ZeroOptimizer, lookup: ShardLookup
+    zero: FlatLayout, lookup: ShardLookup
 ) -> tuple[
     list[list[tuple[int, torch.Tensor]] | None],
     list[dict[str, torch.Tensor]],
@@ -210,7 +210,7 @@ def _read_shards(
     return masters, states, frozen
 
 
-def _load_state(zero: ZeroOptimizer, states: list[dict[str, torch.Tensor]]) -> None:
+def _load_state(zero: FlatLayout, states: list[dict[str, torch.Tensor]]) -> None:
     """Replace the wrapped optimizer's state by ``states`` (one mapping per master); scalars
     such as ``step`` are restored after this by the caller."""
     inner = zero.optimizer

@@ -3,7 +3,7 @@ a secondary, node-local partition of the weights (hpZ).
 
 [Note: ZeRO++]
 All three change only how stage 3's collectives move data; the partition, the fp32 masters and
-the step are those of plain ZeRO-3 (``_stage3_optimizer.py``).
+the step are those of plain ZeRO-3 (``_shard_layout.py``).
 
 - **qwZ** (``zero_quantized_weights``): the parameter all-gathers of the forward and backward
   hooks (``_stage3.py``) send each rank's shards as int8 codes with one float32 scale per block
