@@ -9,9 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the bench session runs the bench itself; this smoke run is ~20-35 s
 def test_comm_benchmark_prints_a_table_per_op_on_two_ranks() -> None:
     proc = subprocess.run(
         [

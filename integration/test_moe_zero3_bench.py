@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--vocab", "64", "--seq", "8", "--dim", "32", "--experts", "4", "--batch", "2"]
 
@@ -23,6 +25,7 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow  # the bench session runs the bench itself; this smoke run is ~20-35 s
 def test_moe_zero3_benchmark_prints_bytes_time_memory_and_loss_per_mode() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools/bench/moe_zero3.py"), *TINY, "--steps", "2"],

@@ -65,6 +65,7 @@ def test_autotp_benchmark_counts_the_tensor_parallel_all_reduces() -> None:
     assert abs(float(base[-1]) - float(split[-1])) < 1e-4  # the same batch: the same loss
 
 
+@pytest.mark.slow  # the bench session runs the bench itself; this smoke run is ~20-35 s
 def test_ulysses_benchmark_counts_the_distributed_attention_all_to_alls() -> None:
     tiny = ["--seq", "64", "--dim", "32", "--heads", "4", "--layers", "1", "--vocab", "64"]
     out = _run("ulysses.py", *tiny, "--steps", "2", "--warmup", "1")

@@ -47,6 +47,7 @@ def _train_and_save(rank: int, world_size: int, folder: str) -> dict:
     return {n: safe_get_full_fp32_param(p).cpu() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # ds-engine tests the sharded output and its index by default
 def test_from_pretrained_reads_sharded_output(tmp_path: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 

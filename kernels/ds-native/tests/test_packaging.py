@@ -121,6 +121,7 @@ def test_sdist_ships_c_sources_and_build_scripts(sdist: Path) -> None:
     assert not any(name.endswith((".so", ".o", "_build_error.txt")) for name in names)
 
 
+@pytest.mark.slow  # every test session installs a wheel built with the compiler already
 def test_wheel_from_sdist_with_compiler(sdist: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     wheel, _ = _wheel_from_sdist(sdist, tmp_path, env)

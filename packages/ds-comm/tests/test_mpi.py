@@ -90,6 +90,7 @@ def test_mpi4py_discovery() -> None:
     assert all(res["env_port"] == str(master[1]) for res in results)
 
 
+@pytest.mark.slow  # the mpi4py path runs by default; each mpiexec run starts 2 torch processes
 def test_explicit_mpi_discovery() -> None:
     busy = _free_port()
     results = _run_under_mpiexec("discovery", busy, {})
@@ -100,6 +101,7 @@ def test_explicit_mpi_discovery() -> None:
     assert all(res["master"] == master for res in results) and master[1] != busy
 
 
+@pytest.mark.slow
 def test_env_path_without_mpi4py() -> None:
     port = _free_port()
     results = _run_under_mpiexec(

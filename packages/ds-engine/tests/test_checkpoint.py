@@ -212,6 +212,7 @@ def _load_good_body(rank: int, world_size: int, *, root: str, expected: str) -> 
     return Path(load_path).name
 
 
+@pytest.mark.slow  # test_checkpoint_crash.py enumerates every kill point of a save in the default run
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     root, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
     script = _CRASHING_SAVE.format(

@@ -17,7 +17,7 @@ def _results(out_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2, 4])
 def test_ranks_all_reduce_and_see_their_environment(launcher, out_dir, tmp_path, world_size):
     port = launcher.free_port()
     (tmp_path / ".deepspeed_env").write_text("DSTEST_FROM_FILE=from file\n")

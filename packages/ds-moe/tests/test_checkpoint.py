@@ -82,7 +82,7 @@ def _expert_files(num_experts: int, layer: int) -> list[str]:
     [
         pytest.param(2, 2, 1, 1, id="ep2-to-ep1"),
         pytest.param(1, 1, 2, 2, id="ep1-to-ep2"),
-        pytest.param(4, 2, 4, 4, id="ep2-replicated-to-ep4"),
+        pytest.param(4, 2, 4, 4, id="ep2-replicated-to-ep4", marks=pytest.mark.slow),
     ],
 )
 def test_reshard_between_ep_sizes(

@@ -88,6 +88,7 @@ def test_sdist_ships_the_c_engine_and_build_scripts(sdist: Path) -> None:
     assert not any(n.endswith((".so", ".o", "_build_error.txt")) for n in names)
 
 
+@pytest.mark.slow  # every test session installs a wheel built with the compiler already
 def test_wheel_with_compiler_uses_libaio(sdist: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     _, names, report = _wheel_and_check(sdist, tmp_path, env)

@@ -253,6 +253,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("numpy") is None,
     reason="needs triton and numpy (the Triton interpreter)",
 )
+@pytest.mark.slow  # a fresh interpreter process; ds-kernels tests the Triton Adam kernel itself by default
 def test_triton_path_matches_torch_path_under_the_interpreter(tmp_path) -> None:
     # TRITON_INTERPRET must be set before ds_kernels is first imported: use a fresh process.
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}

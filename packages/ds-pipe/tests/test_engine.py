@@ -267,7 +267,9 @@ def _crash_body(rank: int, world_size: int, *, crash_stage: int) -> tuple[str, f
     return "no error", time.monotonic() - start
 
 
-@pytest.mark.parametrize("tagless", [False, True], ids=["tags", "tagless"])
+@pytest.mark.parametrize(
+    "tagless", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tags", "tagless"]
+)
 @pytest.mark.parametrize("crash_stage", [2, pytest.param(0, marks=pytest.mark.slow)])
 def test_crash_in_one_stage_fails_every_stage_quickly(crash_stage: int, tagless: bool) -> None:
     env = TAGLESS if tagless else None
