@@ -23,8 +23,12 @@ rounds, each of ``--repeats`` rounds times every contender once, with compared p
 each other (alternating the order between rounds), so that drift and the neighbours' load hit
 all alike; before each timed call a read of twice the last-level cache leaves it cold and clean
 (see ``CacheWipe``). Tables show medians over the rounds; each target is the median over
-rounds of that round's ratio. Targets: CPUAdam >= 85% of the bound (its ns/param within 18% of
-the floor, 28 B / the bound's GB/s), >= 1.1x torch's fused Adam, >= 3x torch's default Adam;
+rounds of that round's ratio. On a shared machine one round's ratio moves by tens of percent
+(the memory bandwidth a VM gets changes from one step to the next: 0.75x-1.5x in a round was
+seen on the 2-core CI VM), so the default is 15 rounds: with 7, the median itself moved by
+about 0.1 between runs of the same code. Targets (issue 19's): CPUAdam >= 80% of the bound
+(its ns/param within 25% of the floor, 28 B / the bound's GB/s), >= 1.1x torch's fused Adam,
+>= 3x torch's default Adam;
 with the bf16 copy-out, >= 1.3x torch fused + copy. A summary table ends the run, one row per
 case. With CUDA,
 ``ds_optim.FusedAdam`` is also timed against ``torch.optim.AdamW(fused=True)`` on the GPU.
@@ -70,6 +74,8 @@ ADAM_BYTES = 28  # per fp32 param
 COPY_BYTES = ADAM_BYTES + 2  # and a bf16 copy written
 TRIAD_BYTES = 24  # per element, as STREAM counts it
 WARMUP = 2
+# CPUAdam's share of the memory bound: ns/param within 25% of the floor (1 / 1.25).
+SHARE_TARGET = 0.80
 # Idle time before each timed call, so that no contender starts while the previous one's threads
 # are still spinning down (libgomp spins a while after each torch parallel region).
 PAUSE_S = 0.02
@@ -306,7 +312,7 @@ def print_targets(rows: list[Contender], samples: Samples, bounds: list[float]) 
     ours = samples[OURS]
     print("\ntargets (median over rounds of each round's ratio [min, max])")
     share = [gbps(names[OURS], t) / b for t, b in zip(ours, bounds)]
-    verdict("CPUAdam, share of the memory bound", share, 0.85, ".1%")
+    verdict("CPUAdam, share of the memory bound", share, SHARE_TARGET, ".1%")
     for name, target in ((TORCH_FUSED, 1.1), (TORCH_DEFAULT, 3.0)):
         if name in samples:
             ratios = [theirs / mine for theirs, mine in zip(samples[name], ours)]
@@ -397,7 +403,7 @@ def print_summary(rows: list[Summary]) -> None:
             f"  {r.case.label:42} {r.ours_ns:8.3f} {r.fused_ns:10.3f} {r.floor_ns:10.3f}"
             f" {speed:>20} {share:>22}"
         )
-    print("  targets: >= 1.10x torch fused and >= 85% of the bound in every case")
+    print(f"  targets: >= 1.10x torch fused and >= {SHARE_TARGET:.0%} of the bound in every case")
 
 
 def parse_ints(text: str) -> list[int]:
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--layouts", default="split,single", help="comma list of split (5 tensors), single"
     )
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
     parser.add_argument(
         "--threads",
         type=parse_ints,
