@@ -11,6 +11,7 @@ are then run on two ranks against a corrupted copy.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -256,11 +257,14 @@ def test_unreadable_checkpoint_files_are_named_by_load_file(tmp_path: Path) -> N
 # --- every load path, on two ranks -----------------------------------------------------------------
 
 
-def _load_paths_body(rank: int, world_size: int, *, root: str) -> list[str]:
+def _load_paths_body(rank: int, world_size: int, *, root: str, local_world: str) -> list[str]:
     """Each load path on a checkpoint whose rank-1 rng file and model file are corrupted: every
-    rank raises the same error (none hangs), naming the file, before any value is used."""
+    rank raises the same error (none hangs), naming the file, before any value is used.
+    ``local_world``: the processes said to share this machine's cores, which decides whether
+    the model file is hashed beside the read (a core to spare) or from what was read (none)."""
     from ds_zero import CheckpointError
 
+    os.environ["LOCAL_WORLD_SIZE"] = local_world
     engine = _engine(seed=5)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     messages = []
@@ -282,12 +286,19 @@ def _load_paths_body(rank: int, world_size: int, *, root: str) -> list[str]:
     return messages
 
 
-def test_every_load_path_refuses_on_every_rank(saved: Path, tmp_path: Path) -> None:
+# "1": each rank has the machine's cores to itself (a core to spare on any machine of 2 or
+# more); "1024": no rank has a core to spare.
+@pytest.mark.parametrize("local_world", ["1", "1024"], ids=["core-to-spare", "no-core-to-spare"])
+def test_every_load_path_refuses_on_every_rank(
+    saved: Path, tmp_path: Path, local_world: str
+) -> None:
     root = tmp_path / "c"
     shutil.copytree(saved, root)
     _flip(root / TAG / "rng_state_rank00001.pt")
     _flip(root / TAG / "mp_rank_00_model_states.pt")
-    results = run_on_ranks(_load_paths_body, 2, root=str(root), timeout=300)
+    results = run_on_ranks(
+        _load_paths_body, 2, root=str(root), local_world=local_world, timeout=300
+    )
     assert results[0] == results[1]  # the same verdict on every rank
     for message in results[0]:
         assert "rng_state_rank00001.pt corrupted" in message

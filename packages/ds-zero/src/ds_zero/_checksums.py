@@ -34,6 +34,7 @@ __all__ = [
     "crc_range",
     "crc_ranges",
     "spans_crc",
+    "spare_core",
     "threads",
 ]
 
@@ -49,11 +50,27 @@ def crc32(data: Any, value: int = 0) -> int:
     return _native_crc32(data, value)
 
 
-def threads(reserve: int = 0) -> int:
-    """Checksum threads for this process: its share of the cores (``LOCAL_WORLD_SIZE``
-    processes share them), less ``reserve`` cores left to a loader running beside them."""
+def _cores() -> int:
+    """This process's share of the cores it may run on (``LOCAL_WORLD_SIZE`` processes share
+    them)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = os.cpu_count() or 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, (os.cpu_count() or 1) // max(1, local) - reserve))
+    return max(1, usable // max(1, local))
+
+
+def threads(reserve: int = 0) -> int:
+    """Checksum threads for this process: its share of the cores, less ``reserve`` cores left
+    to a loader running beside them."""
+    return max(1, min(8, _cores() - reserve))
+
+
+def spare_core() -> bool:
+    """Whether this process's share of the cores holds one besides the loader's, on which a
+    checksum can run beside the loader's read instead of after it."""
+    return _cores() >= 2
 
 
 def crc_range(path: Path, start: int, length: int) -> int:

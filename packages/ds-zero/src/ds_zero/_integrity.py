@@ -64,7 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._checksums import CHUNK, ChunkedCrcWriter, spans_crc
+from ds_zero._checksums import CHUNK, ChunkedCrcWriter, spans_crc, spare_core
 from ds_zero._checksums import chunks as _chunks
 from ds_zero._checksums import crc32 as _crc32
 from ds_zero._checksums import crc_range as _crc_range
@@ -495,11 +495,15 @@ class PendingVerification:
         # shards, so the checksums read its pages with it, then run ahead of it (read-ahead
         # from a cold disk). One core is left to the loader (``overlap``). The shard files,
         # which a loader maps and reads in part, wait for it to hand them over.
+        # The loader's other files (``loaded``) are hashed from its tensors after its read
+        # (one pass, on its critical path) only where no core is free to hash them beside
+        # the read (a second pass over the page cache, on a core that would otherwise idle).
         mine = sorted(_share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
         threads = _threads(reserve=1 if overlap else 0)
         self._pool = HelpedPool(threads)
+        after_read = set(loaded) if not spare_core() else set()
         for name in mine:
-            handed = _is_shard_file(name) or name in loaded
+            handed = _is_shard_file(name) or name in after_read
             if overlap and handed and fusable(files[name]):
                 self._deferred.append(name)
             else:
@@ -690,9 +694,11 @@ def start_verification(
     mapped tensors (see [Note: verifying what the loader read]); files the load turns out not
     to read are dropped with :meth:`~PendingVerification.skip`. ``loaded``: the other files
     (names relative to the directory, such as the model states file) the caller reads before
-    the verdict and hands to :meth:`~PendingVerification.hash_loaded`: they are hashed from
-    the loader's tensors instead of read a second time (and apart, at the verdict, if never
-    handed over).
+    the verdict and hands to :meth:`~PendingVerification.hash_loaded`. Where this process has
+    a core to spare beside the loader's, they are hashed beside the read from the start, which
+    hides the checksum behind the read; where it has none, they are hashed from the loader's
+    tensors once read, instead of read a second time by a thread competing with the loader
+    for its core (and apart, at the verdict, if never handed over).
 
     Example:
         >>> with start_verification(path) as pending:

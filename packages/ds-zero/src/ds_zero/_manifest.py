@@ -44,6 +44,7 @@ from ds_zero._integrity import (
     seal,
     write_json_atomic,
 )
+from ds_zero._readahead import read_ahead
 from ds_zero._shards import ShardLookup
 
 __all__ = [
@@ -283,7 +284,12 @@ class ShardReader:
             if start < stop
         }
         for file in sorted(files):
-            self._file(file)
+            stored = self._file(file)
+            read_ahead(
+                t
+                for key, t in stored.items()
+                if isinstance(t, torch.Tensor) and key.rpartition("/")[2] in values
+            )
         return dict(self._open)
 
     def entry(self, name: str) -> Mapping[str, Any]:
