@@ -459,9 +459,10 @@ class PendingVerification:
     Made by :func:`start_verification`. :meth:`wait` is the verdict, collective over the group
     (every rank calls it at the same point; all get the same answer); nothing read from the
     directory may be used before the :meth:`wait` that covers its file returned.
-    ``overlap``: a loader runs beside the checksums, so one core is left to it, and the files
-    it may hand over through :meth:`hash_loaded` are not hashed apart until the verdict (see
-    [Note: verifying what the loader read]).
+    ``overlap``: a loader runs beside the checksums, so one core is left to it, and the shard
+    files it may hand over through :meth:`hash_loaded` (and, where no core is spare, the other
+    files named in ``loaded``) are not hashed apart until the verdict (see [Note: verifying
+    what the loader read]).
     """
 
     def __init__(
