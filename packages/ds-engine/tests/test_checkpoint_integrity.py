@@ -264,25 +264,32 @@ def _load_paths_body(rank: int, world_size: int, *, root: str, local_world: str)
     the model file is hashed beside the read (a core to spare) or from what was read (none)."""
     from ds_zero import CheckpointError
 
-    os.environ["LOCAL_WORLD_SIZE"] = local_world
     engine = _engine(seed=5)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     messages = []
-    for kwargs in (
-        {},
-        {"load_module_only": True},
-        {"load_optimizer_states": False},
-        {"load_optimizer_states": False, "load_lr_scheduler_states": False},
-    ):
-        try:
-            engine.load_checkpoint(root, tag=TAG, **kwargs)
-        except CheckpointError as exc:
-            messages.append(str(exc))
+    saved_env = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = local_world
+    try:  # the harness reuses its rank processes: the setting must not outlive this body
+        for kwargs in (
+            {},
+            {"load_module_only": True},
+            {"load_optimizer_states": False},
+            {"load_optimizer_states": False, "load_lr_scheduler_states": False},
+        ):
+            try:
+                engine.load_checkpoint(root, tag=TAG, **kwargs)
+            except CheckpointError as exc:
+                messages.append(str(exc))
+            else:
+                raise AssertionError(f"load_checkpoint(**{kwargs}) loaded a corrupted checkpoint")
+            for n, p in engine.module.named_parameters():
+                assert torch.equal(p, before[n]), f"{n} changed before the check refused"
+            assert engine.global_steps == 0
+    finally:
+        if saved_env is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
-            raise AssertionError(f"load_checkpoint(**{kwargs}) loaded a corrupted checkpoint")
-        for n, p in engine.module.named_parameters():
-            assert torch.equal(p, before[n]), f"{n} changed before the check refused"
-        assert engine.global_steps == 0
+            os.environ["LOCAL_WORLD_SIZE"] = saved_env
     return messages
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,12 +35,38 @@ def test_empty_tensors_are_left_out() -> None:
     assert _page_ranges([torch.empty(0)]) == []
 
 
+def _resident_pages(start: int, stop: int) -> tuple[int, int]:
+    """``(resident, total)`` pages of the address range, from ``mincore``."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = (stop - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(start, stop - start, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), pages
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
-def test_advising_a_mapped_file_keeps_its_values(tmp_path: Path) -> None:
+def test_advising_a_mapped_file_reads_its_pages_in(tmp_path: Path) -> None:
+    """With the file's pages dropped from the page cache, read_ahead brings the advised
+    tensor's pages back without anything touching them, and changes no value."""
     assert _MADVISE is not None
-    saved = {"a/param": torch.arange(300_000, dtype=torch.float32), "a/exp_avg": torch.ones(7)}
-    torch.save(saved, tmp_path / "shard.pt")
-    mapped = torch.load(tmp_path / "shard.pt", mmap=True, weights_only=True)
+    saved = {"a/param": torch.arange(4 << 20, dtype=torch.float32), "a/exp_avg": torch.ones(7)}
+    path = tmp_path / "shard.pt"
+    torch.save(saved, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    ((start, stop),) = _page_ranges([mapped["a/param"]])
+    resident, pages = _resident_pages(start, stop)
+    assert resident < pages  # cold before the advice (16 MiB: more than the load's read-ahead)
     read_ahead(mapped.values())
+    deadline = time.monotonic() + 10
+    while _resident_pages(start, stop)[0] < pages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _resident_pages(start, stop) == (pages, pages)
     assert torch.equal(mapped["a/param"], saved["a/param"])
     assert torch.equal(mapped["a/exp_avg"], saved["a/exp_avg"])
