@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ds_optim
 from ds_testing import run_on_ranks
-from ds_zero import _step_slices
+from ds_zero import _adam_replay, _step_slices
 from ds_zero._step_slices import step_in_slices
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -24,7 +25,10 @@ SIZES = (4099, 1731, 0)  # one group longer than a slice (not a multiple), one s
 
 OPTIMIZERS = {
     "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam-l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw-decay": lambda ps: torch.optim.AdamW(ps, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1),
     "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
     "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
@@ -73,6 +77,52 @@ def test_sliced_step_is_the_whole_step_bit_for_bit(name: str) -> None:
         for key, value in state.items():
             other = b["state"][index][key]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+
+
+def _sliced_steps(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[torch.Tensor]]:
+    """Calls of the optimizer's ``step`` over three sliced steps after the first, and the
+    masters after them."""
+    masters, optimizer = _flat_optimizer(OPTIMIZERS[name])
+    _set_grads(masters, 0)
+    optimizer.step()
+    calls = []
+    whole_step = optimizer.step
+    monkeypatch.setattr(optimizer, "step", lambda: calls.append(1) or whole_step())
+    for step in range(1, 4):
+        _set_grads(masters, step)
+        assert step_in_slices(optimizer, SLICE)
+    return len(calls), masters
+
+
+@pytest.mark.parametrize("name", ["adam", "adam-l2", "adamw", "adamw-decay"])
+def test_torch_adam_is_replayed_without_a_step_call_per_slice(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, _ = _sliced_steps(name, monkeypatch)
+    assert calls == 0
+    amsgrad_calls, _ = _sliced_steps("adam-amsgrad", monkeypatch)  # not replayed: per slice
+    assert amsgrad_calls == 3 * 5  # the 4099-element group takes 5 slices of 1000
+
+
+def test_a_replay_that_differs_from_torch_is_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe catches a replay that computes otherwise (as another torch version might), and
+    the step falls back to calling ``step`` per slice: still bit for bit the whole step."""
+    replayed_slice = _adam_replay._adam_slice
+
+    def off_by_an_ulp(param: torch.Tensor, *args: Any) -> None:
+        replayed_slice(param, *args)
+        param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
+
+    monkeypatch.setattr(_adam_replay, "_adam_slice", off_by_an_ulp)
+    monkeypatch.setattr(_adam_replay, "_verdicts", {})
+    calls, sliced = _sliced_steps("adamw-decay", monkeypatch)
+    assert calls == 3 * 5
+    whole, whole_opt = _flat_optimizer(OPTIMIZERS["adamw-decay"])
+    for step in range(4):
+        _set_grads(whole, step)
+        whole_opt.step()
+    for a, b in zip(whole, sliced):
+        assert torch.equal(a, b)
 
 
 class _Growing(torch.optim.Optimizer):
@@ -150,7 +200,8 @@ def test_not_sliced_when_it_would_not_be_elementwise_or_would_not_help() -> None
 
 
 def _train(rank: int, world_size: int, stage: int, numel: int) -> tuple[list[torch.Tensor], int]:
-    """The parameters after 4 steps, and how many times the wrapped optimizer stepped."""
+    """The parameters after 4 steps, and how many times the wrapped optimizer stepped (a call of
+    its ``step``, or one slice replayed: see [Note: replaying torch's Adam over slices])."""
     from ds_zero import ZeroConfig, ZeroOptimizer
 
     model = make_model(torch.float32)
@@ -164,9 +215,16 @@ def _train(rank: int, world_size: int, stage: int, numel: int) -> tuple[list[tor
         whole_step()
 
     optimizer.step = counted_step  # type: ignore[method-assign]
+    replayed_slice = _adam_replay._adam_slice
+
+    def counted_slice(*args: Any) -> None:
+        calls.append(1)
+        replayed_slice(*args)
+
     zero = ZeroOptimizer(model, optimizer, config, gradient_clipping=0.5)
     default = _step_slices.STEP_SLICE_NUMEL
     _step_slices.STEP_SLICE_NUMEL = numel  # workers are reused: restored below
+    _adam_replay._adam_slice = counted_slice
     try:
         for batch in global_batches(4, 8):
             for micro in micro_batches(batch, rank, world_size, 1):
@@ -174,6 +232,7 @@ def _train(rank: int, world_size: int, stage: int, numel: int) -> tuple[list[tor
                 zero.step()
     finally:
         _step_slices.STEP_SLICE_NUMEL = default
+        _adam_replay._adam_slice = replayed_slice
     return [p.detach().clone() for p in model.parameters()], len(calls)
 
 

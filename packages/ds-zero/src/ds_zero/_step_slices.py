@@ -9,6 +9,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer_module
 
 import ds_optim
+from ds_zero._adam_replay import replay_adam_in_slices
 
 __all__ = ["STEP_SLICE_NUMEL", "step_in_slices", "step_slice_numel"]
 
@@ -32,7 +33,8 @@ __all__ = ["STEP_SLICE_NUMEL", "step_in_slices", "step_slice_numel"]
 # optimizer with step hooks (a hook means "once per step"; it would run once per slice).
 # 2**17 to 2**18 elements (0.5-1 MiB of fp32: in a core's L2 cache with their state) measured
 # fastest: AdamW over 100M elements took ~0.35 s against ~0.6 s whole (2**16: 0.40 s, 2**20:
-# 0.47 s), FusedAdam 0.31 s against 0.44 s.
+# 0.47 s), FusedAdam 0.31 s against 0.44 s. torch's Adam and AdamW are not stepped through their
+# ``step`` per slice but replayed (see [Note: replaying torch's Adam over slices]).
 
 # That was 2 threads. Each elementwise op splits its slice among the intra-op threads, so with
 # more threads a slice of that size leaves each thread too little to amortise the op's launch:
@@ -101,6 +103,8 @@ def step_in_slices(optimizer: torch.optim.Optimizer, numel: int = STEP_SLICE_NUM
     masters = _sliceable_masters(optimizer, numel)
     if masters is None:
         return False
+    if replay_adam_in_slices(optimizer, masters, numel):  # torch's Adam/AdamW, no step() calls
+        return True
     groups, state = optimizer.param_groups, optimizer.state
     before = {id(m): dict(state[m]) for m in masters if m is not None}
     first: dict[int, dict[str, Any]] = {}  # scalar state of each master's first slice
