@@ -43,8 +43,10 @@ def _train(
         for micro in micro_batches(batch, rank, world_size, ACCUM):
             zero.backward(model(micro))
         zero.step()
-        # After the step every gradient buffer is zeroed for the next window, or freed until
-        # the next backward (one rank, released).
+        # After the step every gradient buffer reads zero for the next window, or is freed
+        # until the next backward (one rank, released). A host shard that gradients land in
+        # directly is zeroed where nothing landed when it is read (settle), not by the step.
+        zero.reducer.settle()
         assert all(t is None or not t.any() for t in (*zero.reducer.full, *zero.reducer.part))
         assert bool(zero.reducer._released) == (release and world_size == 1 and not offload)
     return {
@@ -76,6 +78,53 @@ def test_stage_2_on_one_rank_keeps_no_staging_buffers_and_trains_as_stage_1(offl
     if not offload:
         assert grads == stage1["buffers"][0]  # one low-precision copy, as stage 1
     _compare(stage2, stage1)
+
+
+def _train_with_unused_branch(rank: int, world_size: int, stage: int) -> dict:
+    """3 windows of 2 micro-batches under offload; one branch gets gradients in the first
+    micro-batch of window 0, the second of window 1, and never in window 2."""
+    import torch
+
+    from ds_zero import ZeroConfig, ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"always": torch.nn.Linear(8, 8), "branch": torch.nn.Linear(8, 8)})
+    config = ZeroConfig.from_dict(
+        {"stage": stage, "offload_optimizer": {"device": "cpu"}, "ignore_unused_parameters": True}
+    )
+    zero = ZeroOptimizer(
+        model, adam(list(model.parameters())), config, gradient_accumulation_steps=2
+    )
+    uses = [(True, False), (False, True), (False, False)]
+    seen = []
+    gen = torch.Generator().manual_seed(1)
+    for window in uses:
+        for use_branch in window:
+            x = torch.randn(4, 8, generator=gen)
+            y = model["always"](x) + (model["branch"](x) if use_branch else 0)
+            zero.backward(y.square().mean())
+        zero.reducer.settle()  # what a reader of the gradients sees before the step
+        seen.append([t.clone() for t in zero.reducer.part if t is not None])
+        zero.step()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": seen,
+    }
+
+
+def test_direct_landing_zeroes_only_what_did_not_land() -> None:
+    """One rank under offload at stage 2 lands each gradient in the host shard and does not
+    zero the shard between windows: a slice's first landing overwrites it, and slices nothing
+    landed in read zero. A branch used in one micro-batch of a window, or in none, gives the
+    gradients and the parameters of stage 1, which zeroes its shard every step."""
+    import torch
+
+    (direct,) = run_on_ranks(_train_with_unused_branch, 1, stage=2)
+    (zeroed,) = run_on_ranks(_train_with_unused_branch, 1, stage=1)
+    for a, b in zip(direct["grads"], zeroed["grads"]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    _compare(direct, zeroed)
 
 
 @pytest.mark.parametrize(("stage", "world_size"), [(1, 1), (2, 1), (2, 2)])

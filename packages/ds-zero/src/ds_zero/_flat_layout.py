@@ -177,6 +177,7 @@ class FlatLayout:
 
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradient of each group's master partition."""
+        self.reducer.settle()  # a step with no backward since zero() reads zeros
         grads = [self._master_grad(g) for g in self.groups]
         self.reducer.release_low_precision()  # the fp32 copies above are all the step needs
         return grads

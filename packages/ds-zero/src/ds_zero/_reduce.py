@@ -164,6 +164,7 @@ class GradReducer:
         self._direct = self._shard and local  # offload on one rank: land each gradient
         self._nothing_to_reduce = local and not ctx.offload
         self._landed: set[tuple[int, int]] = set()  # (unit order, index) landed this window
+        self._stale_part = False  # direct landing: slices not landed this window hold old values
         self._landed_now: set[tuple[int, int]] = set()  # ... in this backward
         self.units = sorted((u for g in self.groups for u in g.units), key=lambda u: u.order)
         self._where: dict[torch.Tensor, tuple[FlatUnit, int]] = {
@@ -243,10 +244,23 @@ class GradReducer:
 
     def ensure_allocated(self) -> None:
         """Bring back freed buffers now (a reader of gradients between steps), holding any
-        gradients autograd left in ``p.grad``."""
+        gradients autograd left in ``p.grad``, and zero what no gradient landed in yet."""
         if self._released:
             self._reallocate()
             self._alias_grads()
+        self.settle()
+
+    def settle(self) -> None:
+        """Direct landing: zero the host slices that no gradient landed in yet this window (see
+        :meth:`zero`); the landed ones were overwritten by their first landing."""
+        if not self._stale_part:
+            return
+        for p, (unit, index) in self._where.items():
+            if (unit.order, index) not in self._landed:
+                part = self.part[unit.group]
+                assert part is not None
+                unit.in_partition(part).narrow(0, unit.offsets[index], p.numel()).zero_()
+        self._stale_part = False
 
     def _reallocate(self) -> None:
         """Allocate (zeroed) what :meth:`release_low_precision` freed."""
@@ -282,13 +296,21 @@ class GradReducer:
                 p.grad = view
 
     def zero(self) -> None:
-        """Zero every gradient (the start of a new accumulation window)."""
+        """Zero every gradient (the start of a new accumulation window).
+
+        Direct landing (one rank under offload) zeroes no host shard here: a gradient's first
+        landing in a window overwrites its slice, and the end of each backward (or a reader,
+        through :meth:`ensure_allocated`) zeroes the slices nothing landed in. Zeroing the whole
+        fp32 shard was a pass over 4 bytes per parameter of host memory every step (0.13 s of
+        a 1B model's 3.1 s offloaded step on an H200 host).
+        """
         self.wait_all()
         released = set(self._released)
         for g, (full, part) in enumerate(zip(self.full, self.part)):
             for t in (full, part):
-                if t is not None and g not in released:
+                if t is not None and g not in released and not (self._direct and t is part):
                     t.zero_()
+        self._stale_part = self._direct
         if not self._lazy:
             self._reallocate()
         self._accumulated = [False] * len(self.units)
