@@ -127,22 +127,31 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(1)
     batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device, generator=gen)
     times, losses = [], []
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     peak_backward = peak_step = 0
     _peak_since_reset(cuda)  # building the engine is not a training step
     for step in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
         loss = engine(batch)
+        ends = [_phase_end(args.phases, sync)]
         engine.backward(loss)
+        ends.append(_phase_end(args.phases, sync))
         peak_backward = max(peak_backward, _peak_since_reset(cuda))
         engine.step()
         peak_step = max(peak_step, _peak_since_reset(cuda))
         sync()
+        ends.append(time.perf_counter())
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(ends[-1] - start)
+            for name, begin, end in zip(phases, [start, *ends], ends):
+                phases[name].append(end - begin)
         losses.append(float(loss.detach()))
-    times.sort()
-    median = times[len(times) // 2]
+    if args.profile:
+        _profile_one_step(
+            engine, batch, cuda, f"{args.profile}/profile_{args.system}_{args.setting}.txt"
+        )
+    median = _median(times)
     return {
         "system": args.system,
         "setting": args.setting,
@@ -160,7 +169,48 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "host_total_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        "phases_s": {name: _median(values) for name, values in phases.items()}
+        if args.phases
+        else None,
     }
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _phase_end(synchronise: bool, sync: Any) -> float:
+    """The time a phase ended: after the device caught up with it when phases are timed (the
+    synchronisation costs the overlap between phases, so it is off unless asked for)."""
+    if synchronise:
+        sync()
+    return time.perf_counter()
+
+
+def _profile_one_step(engine: Any, batch: Any, cuda: bool, path: str) -> None:
+    """One more training step under torch.profiler; the ops that took the most host time and
+    the most device time go to ``path`` (where a slow step spends itself, per system)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with profile(activities=activities) as prof:
+        with record_function("bench.forward"):
+            loss = engine(batch)
+            sync()
+        with record_function("bench.backward"):
+            engine.backward(loss)
+            sync()
+        with record_function("bench.step"):
+            engine.step()
+            sync()
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if cuda:
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    with open(path, "w") as out:
+        out.write("\n\n".join(tables))
 
 
 def _host_resident_bytes() -> int:
@@ -239,6 +289,8 @@ def _run(args: argparse.Namespace, system: str, setting: str) -> dict[str, Any] 
     cmd = [sys.executable, __file__, "--worker", "--system", system, "--setting", setting]
     for key in ("params", "layers", "vocab", "seq", "micro_batch", "steps", "warmup"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    cmd += ["--phases"] if args.phases else []
+    cmd += ["--profile", args.profile] if args.profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -291,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--adam-millions", type=float, default=256.0)
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time forward, backward and step apart (synchronising between them)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile one extra step per run; write DIR/profile_<system>_<setting>.txt",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", default="ds", help=argparse.SUPPRESS)
     parser.add_argument("--setting", default="zero2", help=argparse.SUPPRESS)
@@ -313,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_run(args, system, setting))
             print(f"# {setting} {system}: {rows[-1]}", flush=True)  # kept if a later run hangs
     print(_table(rows, args.settings, systems))
+    if args.phases:
+        print(
+            "\n| setting | system | forward (s) | backward (s) | step (s) |\n|---|---|---|---|---|"
+        )
+        for row in rows:
+            if isinstance(row, dict) and row.get("phases_s"):
+                times = row["phases_s"]
+                print(
+                    f"| {row['setting']} | {row['system']} | {times['forward']:.3f} | "
+                    f"{times['backward']:.3f} | {times['step']:.3f} |"
+                )
     if args.adam_millions <= 0:
         return 0
     print("\n| optimizer | ms/step | effective GB/s |\n|---|---|---|")
