@@ -20,6 +20,7 @@ Usage (from the workspace root, on a GPU machine)::
 
     python tools/bench/gpu.py                       # ~1B params, ZeRO-2, ZeRO-3, offload, Adam
     python tools/bench/gpu.py --params 125 --steps 5 --settings zero2   # a quick look
+    python tools/bench/gpu.py --settings zero2-offload --phases --profile /tmp/prof  # where it goes
 """
 
 from __future__ import annotations
