@@ -45,7 +45,9 @@ def _contenders(params: torch.Tensor, slices: list[int]) -> dict[str, Callable[[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "ZeRO-Offload host step").splitlines()[0]
+    )
     parser.add_argument("--params", type=float, default=100.0, help="master size, millions")
     parser.add_argument("--threads", default=str(torch.get_num_threads()))
     parser.add_argument("--slices", default="18,20,22,24", help="log2 slice sizes")
