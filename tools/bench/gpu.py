@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -152,7 +153,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         _profile_one_step(
             engine, batch, cuda, f"{args.profile}/profile_{args.system}_{args.setting}.txt"
         )
-    median = _median(times)
+    median = statistics.median_high(times)
     return {
         "system": args.system,
         "setting": args.setting,
@@ -170,14 +171,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "host_total_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
         "first_loss": losses[0],
         "last_loss": losses[-1],
-        "phases_s": {name: _median(values) for name, values in phases.items()}
+        "phases_s": {name: statistics.median_high(values) for name, values in phases.items()}
         if args.phases
         else None,
     }
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def _phase_end(synchronise: bool, sync: Any) -> float:

@@ -22,6 +22,7 @@ Usage (from the workspace root)::
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 step()
                 times[name].append(time.perf_counter() - start)
-        medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        medians = {name: statistics.median_high(t) for name, t in times.items()}
         whole = medians["whole (DeepSpeed)"]
         for name, seconds in medians.items():
             print(f"| {threads} | {name} | {seconds / numel * 1e9:.3f} | {whole / seconds:.2f} |")

@@ -65,9 +65,9 @@ def _per_tensor_norms(grads: list[torch.Tensor], p: float) -> list[torch.Tensor]
     norms: list[torch.Tensor] = []
     for (device, dtype), tensors in buckets.items():
         if device.type == "cpu":
-            large = [t for t in tensors if t.numel() >= _LARGE_CPU_NUMEL and t.is_contiguous()]
-            norms.extend(_cpu_norm_by_rows(t, p) for t in large)
-            tensors = [t for t in tensors if not any(t is x for x in large)]
+            by_rows = [t.numel() >= _LARGE_CPU_NUMEL and t.is_contiguous() for t in tensors]
+            norms.extend(_cpu_norm_by_rows(t, p) for t, rows in zip(tensors, by_rows) if rows)
+            tensors = [t for t, rows in zip(tensors, by_rows) if not rows]
             if not tensors:
                 continue
         if p == math.inf or dtype not in _LOW_PRECISION:

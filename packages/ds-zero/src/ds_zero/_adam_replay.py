@@ -151,7 +151,7 @@ def _adam_slice(
 def _replays_torch(kind: type[torch.optim.Optimizer], group: dict[str, Any]) -> bool:
     """Whether the replay equals ``kind``'s own step for this configuration, bit for bit
     (probed once per process and configuration)."""
-    key = (kind, _decoupled(kind, group), group["weight_decay"] != 0, torch.__version__)
+    key = (kind, _decoupled(kind, group), group["weight_decay"] != 0)
     if key not in _verdicts:
         _verdicts[key] = _probe(kind, group)
     return _verdicts[key]

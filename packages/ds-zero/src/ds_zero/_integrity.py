@@ -77,6 +77,7 @@ from ds_zero._read_checks import (
     batches,
     fusable,
     gap_spans,
+    holds_value,
     listing,
     loaded_matches,
     tensor_crcs,
@@ -331,7 +332,7 @@ def _read_parts(
     tensors = [
         n
         for n, e in entries.items()
-        if n.rsplit("/", 1)[-1] in values
+        if holds_value(n, values)
         and not any(a <= e["offset"] and e["offset"] + e["nbytes"] <= b for a, b in covered)
     ]
     return sorted(picked), tensors

@@ -44,6 +44,7 @@ from ds_zero._integrity import (
     seal,
     write_json_atomic,
 )
+from ds_zero._read_checks import holds_value
 from ds_zero._readahead import read_ahead
 from ds_zero._shards import ShardLookup
 
@@ -288,7 +289,7 @@ class ShardReader:
             read_ahead(
                 t
                 for key, t in stored.items()
-                if isinstance(t, torch.Tensor) and key.rpartition("/")[2] in values
+                if isinstance(t, torch.Tensor) and holds_value(key, values)
             )
         return dict(self._open)
 

@@ -38,6 +38,7 @@ __all__ = [
     "batches",
     "fusable",
     "gap_spans",
+    "holds_value",
     "listing",
     "loaded_matches",
     "spans_crc",
@@ -173,6 +174,11 @@ def listing(directory: Path, manifest_name: str) -> list[str]:
     return sorted(found)
 
 
+def holds_value(name: str, values: Collection[str]) -> bool:
+    """Whether the shard file entry ``name`` (``<param>/<value>``) stores one of ``values``."""
+    return name.rpartition("/")[2] in values
+
+
 def wanted_tensors(
     record: Mapping[str, Any], shard_file: bool, values: Collection[str] | None
 ) -> list[str]:
@@ -181,7 +187,7 @@ def wanted_tensors(
     entries = record.get("tensors") or {}
     if values is None or not shard_file:
         return list(entries)
-    return [n for n in entries if n.rsplit("/", 1)[-1] in values]
+    return [n for n in entries if holds_value(n, values)]
 
 
 class HelpedPool:
