@@ -246,3 +246,21 @@ uint32_t ds_native_crc32(uint32_t value, const void *data, size_t n, int simd)
     }
     return ~reg;
 }
+
+int ds_native_crc32_spans(const void *data, size_t size, const uint64_t *starts,
+                          const uint64_t *lengths, size_t count, int chained, int simd,
+                          uint32_t *out)
+{
+    const unsigned char *base = (const unsigned char *)data;
+    uint32_t value = 0;
+    for (size_t i = 0; i < count; i++) { /* all checked first: nothing half-computed */
+        if (starts[i] > size || lengths[i] > size - starts[i]) {
+            return -1;
+        }
+    }
+    for (size_t i = 0; i < count; i++) {
+        value = ds_native_crc32(chained ? value : 0, base + starts[i], lengths[i], simd);
+        out[i] = value;
+    }
+    return 0;
+}

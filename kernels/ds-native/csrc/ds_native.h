@@ -75,5 +75,13 @@ enum ds_native_crc32_simd {
 uint32_t ds_native_crc32(uint32_t value, const void *data, size_t n, int simd);
 int ds_native_crc32_auto_simd(void);
 int ds_native_crc32_simd_supported(int simd);
+/* The CRC-32 of each of `count` spans [starts[i], starts[i] + lengths[i]) of the `size` bytes at
+ * `data` into out[i], in one call (the GIL released once, however many spans); chained: each span
+ * continues from the previous one's CRC, so out[count - 1] is the CRC of the spans one after
+ * another. Returns -1 (out untouched) when a span leaves the buffer, else 0.
+ */
+int ds_native_crc32_spans(const void *data, size_t size, const uint64_t *starts,
+                          const uint64_t *lengths, size_t count, int chained, int simd,
+                          uint32_t *out);
 
 #endif /* DS_NATIVE_H */

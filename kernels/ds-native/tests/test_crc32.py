@@ -206,3 +206,57 @@ def test_concurrent_callers_agree() -> None:
     for t in threads:
         t.join()
     assert results == [expected] * 4
+
+
+# --- crc32_spans ---------------------------------------------------------------------------------
+
+
+def _random_spans(rng: random.Random, size: int, count: int) -> list[tuple[int, int]]:
+    spans = []
+    for _ in range(count):
+        start = rng.randrange(size + 1)
+        spans.append((start, rng.randrange(size - start + 1)))
+    return spans
+
+
+@pytest.mark.parametrize("simd", [None, *PATHS])
+def test_spans_equal_zlib_per_span_and_chained(simd: Crc32Simd | None) -> None:
+    rng = random.Random(7)
+    data = rng.randbytes(300_000)
+    spans = [*_random_spans(rng, len(data), 40), (0, len(data)), (len(data), 0), (5, 0)]
+    each = ds_native.crc32_spans(data, spans, simd=simd)
+    assert each == [zlib.crc32(data[a : a + n]) for a, n in spans]
+    chained = ds_native.crc32_spans(data, spans, chained=True, simd=simd)
+    assert chained[-1] == zlib.crc32(b"".join(data[a : a + n] for a, n in spans))
+    assert chained == [
+        zlib.crc32(b"".join(data[a : a + n] for a, n in spans[: i + 1])) for i in range(len(spans))
+    ]
+
+
+def test_spans_read_any_buffer_in_place(tmp_path: Path) -> None:
+    data = random.Random(8).randbytes(1 << 20)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    spans = [(4096, 100_000), (1, 2), (500_000, 524_288)]
+    expected = [zlib.crc32(data[a : a + n]) for a, n in spans]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as view:
+            assert ds_native.crc32_spans(view, spans) == expected
+        mapped.close()  # no export left behind
+    floats = array.array("f", range(1000))
+    assert ds_native.crc32_spans(floats, [(8, 400)]) == [zlib.crc32(floats.tobytes()[8:408])]
+    assert ds_native.crc32_spans(bytearray(data), []) == []
+
+
+@pytest.mark.parametrize("span", [(-1, 4), (0, -1), (10, 1), (11, 0), (3, 8)])
+def test_spans_leaving_the_buffer_are_refused_naming_the_span(span: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"span (start, length) {span} leaves")):
+        ds_native.crc32_spans(b"0123456789", [(0, 2), span])
+
+
+def test_spans_without_extension_fall_back_to_zlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(unavailable_reason="not built (test)"))
+    data = b"hello, spans"
+    spans = [(0, 5), (7, 5)]
+    assert ds_native.crc32_spans(data, spans) == [zlib.crc32(b"hello"), zlib.crc32(b"spans")]
+    assert ds_native.crc32_spans(data, spans, chained=True)[-1] == zlib.crc32(b"hellospans")

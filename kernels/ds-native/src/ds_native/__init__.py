@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ds_native._adam import adam_step, adam_step_reference
 from ds_native._axpy import axpy, axpy_reference
-from ds_native._crc32 import crc32, crc32_simd_supported
+from ds_native._crc32 import crc32, crc32_simd_supported, crc32_spans
 from ds_native._ext import build_info, native_available, simd_level
 from ds_native._stream import (
     stream_adam_traffic,
@@ -41,6 +41,7 @@ __all__ = [
     # checksums (zlib's CRC-32, same values)
     "crc32",
     "crc32_simd_supported",
+    "crc32_spans",
     # build and CPU introspection
     "native_available",
     "build_info",
