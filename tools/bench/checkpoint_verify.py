@@ -13,7 +13,10 @@ checkpoint ``--rounds`` times each way, the two arms alternating which goes firs
 * ``without verify``: the same load with the checks replaced by no-ops.
 
 The table gives, per setting, the median wall time of each arm, the overhead (with / without
-- 1; the target is under 5%), and the same for the process's CPU time (all threads): on a
+- 1; the target is under 5%), the paired overhead (the median over rounds of each round's
+with / without - 1, with its quartiles: on a machine whose speed drifts, as shared VMs' memory
+bandwidth does, the two loads of one round saw the same machine), and the same for the
+process's CPU time (all threads): on a
 busy machine, where no core is free for the checksum threads, the CPU overhead is what the
 wall overhead tends to. One load of each arm first warms the page cache, so by default both
 arms load from memory (the worst case for the overhead). ``--cold`` drops the checkpoint's
@@ -118,7 +121,12 @@ _PHASES = (
     ("ds_zero._integrity", "PendingVerification.wait"),
 )
 # The checksum functions, run on the hashing threads: their time is summed over the threads.
-_HASHERS = ("_crc_range", "tensor_crcs", "spans_crc")
+_HASHERS = (
+    ("ds_zero._integrity", "_crc_range"),
+    ("ds_zero._integrity", "tensor_crcs"),
+    ("ds_zero._integrity", "spans_crc"),
+    ("ds_zero._checksums", "MappedFile.crcs"),
+)
 
 
 @contextlib.contextmanager
@@ -142,7 +150,7 @@ def _phase_timer(spans: dict[str, list[float]]) -> Iterator[None]:
 
         return timed
 
-    targets = [*_PHASES, *(("ds_zero._integrity", h) for h in _HASHERS)]
+    targets = [*_PHASES, *_HASHERS]
     for module_name, attr in targets:
         owner: object = importlib.import_module(module_name)
         *path, name = attr.split(".")
@@ -152,7 +160,10 @@ def _phase_timer(spans: dict[str, list[float]]) -> Iterator[None]:
         setattr(
             owner,
             name,
-            wrap(attr if attr not in _HASHERS else "hash threads (sum)", patched[-1][2]),
+            wrap(
+                attr if (module_name, attr) not in _HASHERS else "hash threads (sum)",
+                patched[-1][2],
+            ),
         )
     try:
         yield
@@ -207,7 +218,9 @@ def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
     for i in range(args.rounds):  # alternate which arm goes first
         for arm in _ARMS[:: 1 if i % 2 == 0 else -1]:
             timed(arm)
+    ratios = [b / a - 1 for a, b in zip(wall[_ARMS[0]], wall[_ARMS[1]])]
     return {
+        "paired": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3,
         "wall": {arm: statistics.median(v) for arm, v in wall.items()},
         "cpu": {arm: statistics.median(v) for arm, v in cpu.items()},
         "spans": spans,
@@ -279,15 +292,17 @@ def main() -> None:
     )
     print(
         "| setting | load without verify (s) | with verify (s) | overhead "
-        "| CPU without (s) | CPU with (s) | CPU overhead |"
+        "| paired overhead [quartiles] | CPU without (s) | CPU with (s) | CPU overhead |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, result in rows:
         wall, cpu = result["wall"], result["cpu"]
         a, b = wall["without verify"], wall["with verify"]
         ca, cb = cpu["without verify"], cpu["with verify"]
+        low, mid, high = result["paired"]
         print(
             f"| {name} | {a:.3f} | {b:.3f} | {100 * (b / a - 1):+.1f}% "
+            f"| {100 * mid:+.1f}% [{100 * low:+.1f}%, {100 * high:+.1f}%] "
             f"| {ca:.3f} | {cb:.3f} | {100 * (cb / ca - 1):+.1f}% |"
         )
     if args.phases:

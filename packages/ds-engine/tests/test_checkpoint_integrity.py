@@ -527,3 +527,113 @@ def test_the_loaders_reads_are_checked_as_read(saved_stage3: Path, tmp_path: Pat
         assert results[0] == results[1], kind  # the same verdict on every rank
         for got, wanted in zip(results[0], expected):
             assert all(w in got for w in wanted), (kind, got)
+
+
+# --- hashing ahead of the loader (ds-zero's [Note: hashing ahead of the loader]) -----------------
+
+
+def _hash_ahead_load_body(
+    rank: int, world_size: int, *, root: str, spare: bool, replace: str | None = None
+) -> list[str]:
+    """:func:`_stage3_load_body` with the spare core forced on or off (shard files hashed from
+    the disk as the check starts, or from the loader's tensors). ``replace``: once the shard
+    file is hashed, and before the verdict, it is replaced by this file."""
+    from ds_zero import _integrity
+
+    wait = _integrity.PendingVerification.wait
+    spare_core = _integrity.spare_core
+    hashed_ahead: list[bool] = []
+    name = "zero/zero_shards_rank00000.pt"
+
+    def replacing_wait(self, problems=()):
+        if self._verdict is None:
+            hashed_ahead.append(name in self._sources)
+            if replace is not None:
+                for _, jobs, _, gaps in self._loaded.values():
+                    for job in (*jobs, gaps):
+                        self._result(job)  # hashed: what follows happens after
+                os.replace(replace, Path(root) / TAG / name)
+                shutil.copy(Path(root).parent / "spare_copy.pt", replace)  # for the next load
+        return wait(self, problems)
+
+    _integrity.spare_core = lambda: spare
+    _integrity.PendingVerification.wait = replacing_wait
+    try:
+        results = _stage3_load_body(rank, world_size, root=root)
+    finally:
+        _integrity.spare_core = spare_core
+        _integrity.PendingVerification.wait = wait
+    assert hashed_ahead and set(hashed_ahead) == {spare}, hashed_ahead
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved_stage3_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("integrity3one") / "ckpt"
+    run_on_ranks(_stage3_save_body, 1, root=str(root), timeout=300)
+    return root
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["hashed ahead", "hashed as read"])
+def test_a_shard_hashed_ahead_is_checked_as_one_hashed_as_read(
+    saved_stage3_one_rank: Path, tmp_path: Path, spare: bool
+) -> None:
+    """Hashed from the disk before the loader maps it, a shard file is refused for the same
+    bytes, with the same error, as when hashed from the loader's tensors."""
+    from ds_zero._read_checks import gap_spans
+
+    name = "zero/zero_shards_rank00000.pt"
+    manifest = json.loads((saved_stage3_one_rank / TAG / "ds_manifest.json").read_text())
+    entries = manifest["files"][name]["tensors"]
+    master = max((n for n in entries if n.endswith("/param")), key=lambda n: entries[n]["offset"])
+    moment = next(n for n in entries if n.endswith("/exp_avg_sq"))
+    gap = gap_spans(entries, manifest["files"][name]["bytes"])[0]  # the pickle
+    refused = f"{name} corrupted"
+
+    def flip(offset: int) -> Callable[[Path], None]:
+        return lambda path: _flip_at(path, offset)
+
+    cases: dict[str, tuple[Callable[[Path], object], list[list[str]]]] = {
+        "master": (flip(entries[master]["offset"] + 5), [[refused, repr(master)]] * 2),
+        "gap": (flip(gap[0] + gap[1] // 2), [[refused]] * 2),
+        "moment": (flip(entries[moment]["offset"] + 1), [[refused, repr(moment)], ["loaded"]]),
+        "truncated": (_truncate, [[f"{name} truncated"]] * 2),
+        "none": (lambda path: None, [["loaded"]] * 2),
+    }
+    for kind, (damage, expected) in cases.items():
+        root = tmp_path / kind
+        shutil.copytree(saved_stage3_one_rank, root)
+        damage(root / TAG / name)
+        (result,) = run_on_ranks(_hash_ahead_load_body, 1, root=str(root), spare=spare, timeout=300)
+        for got, wanted in zip(result, expected):
+            assert all(w in got for w in wanted), (kind, got)
+
+
+@pytest.mark.parametrize("damaged", [True, False], ids=["damaged", "intact"])
+def test_a_shard_replaced_after_it_was_hashed_is_checked_again(
+    saved_stage3_one_rank: Path, tmp_path: Path, damaged: bool
+) -> None:
+    """A shard file replaced between its hashing and the verdict is not passed on the old
+    file's checksums: a damaged replacement is refused, an intact one loads."""
+    name = "zero/zero_shards_rank00000.pt"
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved_stage3_one_rank, root)
+    replacement = tmp_path / "replacement.pt"
+    shutil.copy(root / TAG / name, replacement)
+    if damaged:
+        entries = json.loads((root / TAG / "ds_manifest.json").read_text())["files"][name]
+        master = next(n for n in entries["tensors"] if n.endswith("/param"))
+        _flip_at(replacement, entries["tensors"][master]["offset"] + 3)
+    shutil.copy(replacement, tmp_path / "spare_copy.pt")
+    (result,) = run_on_ranks(
+        _hash_ahead_load_body,
+        1,
+        root=str(root),
+        spare=True,
+        replace=str(replacement),
+        timeout=300,
+    )
+    if damaged:
+        assert all(f"{name} corrupted" in got for got in result), result
+    else:
+        assert result == ["loaded", "loaded"]

@@ -485,7 +485,11 @@ def load_checkpoint(
     # bytes are checked (ds-zero's [Note: a path verifies what it uses]).
     values = None if from_shards else ("param",)
     model_file = f"mp_rank_{_mp_rank(engine):02d}_model_states.pt"
-    with start_verification(path, values=values, loaded=(model_file,)) as pending:
+    # A ZeRO-3 model's weights, or the optimizer's states, come from the shard files: they are
+    # hashed from the start (ds-zero's [Note: hashing ahead of the loader]). Without either,
+    # the model file tells whether they are read at all.
+    ahead = from_shards or bool(_partitioned_keys(engine.module))
+    with start_verification(path, values=values, loaded=(model_file,), ahead=ahead) as pending:
         state = _read_model_file(pending, path / model_file)
         # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded);
         # without the optimizer's states ZeRO-1/2 rebuild the fp32 masters from the weights

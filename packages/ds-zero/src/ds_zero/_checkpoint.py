@@ -51,17 +51,7 @@ import torch
 import torch.distributed as dist
 
 import ds_comm
-from ds_zero._integrity import (
-    DIRECTORY_MANIFEST,
-    CheckpointError,
-    PendingVerification,
-    check_seal,
-    is_complete,
-    load_file,
-    read_json,
-    seal,
-    write_json_atomic,
-)
+from ds_zero._integrity import DIRECTORY_MANIFEST, PendingVerification, is_complete
 from ds_zero._manifest import (
     INDEX,
     MANIFEST,
@@ -77,6 +67,14 @@ from ds_zero._manifest import (
     write_manifest,
 )
 from ds_zero._ranks import agree, ranks_in
+from ds_zero._sealed import (
+    CheckpointError,
+    check_seal,
+    load_file,
+    read_json,
+    seal,
+    write_json_atomic,
+)
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero.api import ConfigError
 

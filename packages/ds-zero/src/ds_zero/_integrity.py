@@ -50,11 +50,27 @@ optimizer's states rebuilds the masters from the weights and reads no ``zero/`` 
 :meth:`PendingVerification.skip` leaves them unchecked. A mismatch falls back to the
 whole-file check, so the error still names the file and the tensors. Corruption in bytes such
 a load never reads (Adam moments) is not its error; a full load, which reads them, refuses it.
+
+[Note: hashing ahead of the loader]
+A shard file's tensors are checked either from the loader's mapped tensors once it hands the
+file over (:meth:`PendingVerification.hash_loaded`), or from the file, by the tensors' ranges in
+the manifest, from the moment the check starts. The second is the same check (the tensors the
+load uses and the bytes between all tensors, so every byte that decides what the loader's
+unpickling maps where), started about 40 ms earlier on a 100M-parameter ZeRO-3 load: the
+loader is still reading the model file and unpickling the shard's index, and the hashing,
+which has nothing to hide behind once the loader waits for the verdict, runs beside that. It
+is taken where a core is spare beside the loader's (the threads then do not compete with it);
+on a busy machine the loader's own tensors are hashed after its read, as before, which reads
+nothing twice. A file hashed from the disk is known by its device, inode, size and
+modification time: one replaced or rewritten before the verdict is checked again whole, and
+passes only if both the file hashed and the file there now pass, since the loader mapped one
+of them. ``start_verification(ahead=False)`` leaves the shard files to a load that may not
+read them (a ZeRO-1/2 load without the optimizer's states): hashing them could only be
+wasted work, which the verdict would wait for.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
@@ -64,9 +80,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_zero._checksums import CHUNK, ChunkedCrcWriter, spans_crc, spare_core
+from ds_zero._checksums import (
+    CHUNK,
+    ChunkedCrcWriter,
+    MappedFile,
+    file_identity,
+    spans_crc,
+    spare_core,
+)
 from ds_zero._checksums import chunks as _chunks
-from ds_zero._checksums import crc32 as _crc32
 from ds_zero._checksums import crc_range as _crc_range
 from ds_zero._checksums import crc_ranges as _crc_ranges
 from ds_zero._checksums import threads as _threads
@@ -80,9 +102,19 @@ from ds_zero._read_checks import (
     holds_value,
     listing,
     loaded_matches,
+    runs,
     tensor_crcs,
     walk,
     wanted_tensors,
+)
+from ds_zero._sealed import (
+    CheckpointError,
+    check_seal,
+    load_file,
+    read_json,
+    read_sealed_manifest,
+    seal,
+    write_json_atomic,
 )
 
 __all__ = [
@@ -106,12 +138,10 @@ __all__ = [
 ]
 
 DIRECTORY_MANIFEST = "ds_manifest.json"
+# Files this small are hashed on the thread that starts a verification, up to this many bytes
+# in all: a hashing thread would wait for the GIL behind the loader longer than that takes.
+_HASH_HERE = 4 << 20
 DIRECTORY_FORMAT = "ds.checkpoint/1"
-_SEAL = "manifest_crc32"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that is incomplete, corrupted or does not fit the optimizer."""
 
 
 # --- records --------------------------------------------------------------------------------------
@@ -169,75 +199,6 @@ def file_record(path: Path, *, tensors: bool = True) -> dict[str, Any]:
 
 
 # --- the manifest file ---------------------------------------------------------------------------
-
-
-def _canonical(manifest: Mapping[str, Any]) -> bytes:
-    body = {k: v for k, v in manifest.items() if k != _SEAL}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def seal(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """``manifest`` with its own CRC-32 added (an edited manifest is then refused)."""
-    return {**manifest, _SEAL: _crc32(_canonical(manifest))}
-
-
-def check_seal(manifest: Mapping[str, Any], path: Path) -> None:
-    """Raise :class:`CheckpointError` unless ``manifest`` (read from ``path``) is sealed and
-    unchanged."""
-    if _SEAL not in manifest:
-        raise CheckpointError(
-            f"{path} has no {_SEAL}: written by an older ds or by hand, so its entries cannot be "
-            "trusted; save the checkpoint again with this version"
-        )
-    if manifest[_SEAL] != _crc32(_canonical(manifest)):
-        raise CheckpointError(
-            f"{path} was changed after it was written (its {_SEAL} does not match its "
-            "contents): the checkpoint cannot be trusted"
-        )
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """The JSON object in ``path``; a :class:`CheckpointError` naming the file and what is wrong
-    with it otherwise (``what`` says what the file is)."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise CheckpointError(f"{what} {str(path)!r} cannot be read: {exc}") from None
-    if not raw:
-        raise CheckpointError(f"{what} {str(path)!r} is empty (0 bytes): the write did not finish")
-    try:
-        loaded = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(
-            f"{what} {str(path)!r} is not UTF-8 JSON text (byte {exc.start} of {len(raw)})"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(
-            f"{what} {str(path)!r} is not valid JSON ({exc.msg} at line {exc.lineno} column "
-            f"{exc.colno}, {len(raw)} bytes): truncated or overwritten"
-        ) from None
-    if not isinstance(loaded, dict):
-        raise CheckpointError(
-            f"{what} {str(path)!r} holds a {type(loaded).__name__}, not an object"
-        )
-    return loaded
-
-
-def load_file(path: Path, *, mmap: bool = False) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU; a :class:`CheckpointError` naming the
-    file and the reason when it is absent, truncated or not a checkpoint file."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-    except Exception as exc:  # torch raises OSError, RuntimeError or UnpicklingError
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"checkpoint file {str(path)!r} ({path.stat().st_size} bytes) cannot be read: it is "
-            f"truncated, corrupted or not a torch.save file ({type(exc).__name__}: {reason})"
-        ) from None
 
 
 def is_complete(directory: Path, manifest_name: str = DIRECTORY_MANIFEST) -> bool:
@@ -409,36 +370,10 @@ def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
         write_json_atomic(manifest, directory / DIRECTORY_MANIFEST)
 
 
-def write_json_atomic(obj: Any, path: Path) -> None:
-    """Write ``obj`` as JSON through a fsynced temporary file and a rename."""
-    temp = path.with_name(f".{path.name}.tmp")
-    with open(temp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-
-
 def _unusable(path: Path, problems: Sequence[str]) -> str:
     shown = list(problems[:8])
     more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
     return f"checkpoint {str(path)!r} cannot be loaded:\n  " + "\n  ".join(shown) + more
-
-
-def read_sealed_manifest(
-    path: Path, expected_format: str, reader: str, missing: str
-) -> dict[str, Any]:
-    """A sealed manifest file: ``missing`` as the error when absent, then its format (``reader``
-    names what reads it) and its seal checked (a :class:`CheckpointError` otherwise)."""
-    if not path.is_file():
-        raise CheckpointError(missing)
-    manifest = read_json(path, "checkpoint manifest")
-    if manifest.get("format") != expected_format:
-        raise CheckpointError(
-            f"{path} has format {manifest.get('format')!r}; {reader} reads {expected_format!r}"
-        )
-    check_seal(manifest, path)
-    return manifest
 
 
 def read_directory_manifest(directory: Path) -> dict[str, Any]:
@@ -460,10 +395,12 @@ class PendingVerification:
     Made by :func:`start_verification`. :meth:`wait` is the verdict, collective over the group
     (every rank calls it at the same point; all get the same answer); nothing read from the
     directory may be used before the :meth:`wait` that covers its file returned.
-    ``overlap``: a loader runs beside the checksums, so one core is left to it, and the shard
-    files it may hand over through :meth:`hash_loaded` (and, where no core is spare, the other
-    files named in ``loaded``) are not hashed apart until the verdict (see [Note: verifying
-    what the loader read]).
+    ``overlap``: a loader runs beside the checksums, so one core is left to it. Where another
+    core is spare, the shard files are hashed from the disk at once unless ``ahead`` is False
+    (see [Note: hashing ahead of the loader]); where none is, the shard files and the other
+    files named in ``loaded`` wait for the loader to hand them over through
+    :meth:`hash_loaded`, and are hashed apart at the verdict only if it never does (see
+    [Note: verifying what the loader read]).
     """
 
     def __init__(
@@ -473,6 +410,7 @@ class PendingVerification:
         values: Collection[str] | None = None,
         overlap: bool = True,
         loaded: Collection[str] = (),
+        ahead: bool = True,
     ) -> None:
         self.directory, self.group, self.values = directory, group, values
         self.rank, self.world = ranks_in(group)
@@ -485,6 +423,10 @@ class PendingVerification:
         # names, their dtypes and shapes, their CRC-32 jobs and the gaps' CRC-32 job.
         self._deferred: list[str] = []
         self._loaded: dict[str, LoadedFile] = {}
+        # Files hashed from the disk beside the loader: the identity each had when mapped,
+        # and the mappings (closed once no thread hashes them).
+        self._sources: dict[str, tuple[int, ...]] = {}
+        self._mapped: list[MappedFile] = []
         self._verdict: dict[str, Any] | None = None
         self._pool: HelpedPool | None = None
         try:
@@ -495,21 +437,30 @@ class PendingVerification:
         files = self.manifest["files"]
         # The smallest files first: a loader reads the model states before the big optimizer
         # shards, so the checksums read its pages with it, then run ahead of it (read-ahead
-        # from a cold disk). One core is left to the loader (``overlap``). The shard files,
-        # which a loader maps and reads in part, wait for it to hand them over.
-        # The loader's other files (``loaded``) are hashed from its tensors after its read
-        # (one pass, on its critical path) only where no core is free to hash them beside
-        # the read (a second pass over the page cache, on a core that would otherwise idle).
+        # from a cold disk). One core is left to the loader (``overlap``). Where no other core
+        # is free, the shard files and the loader's other files (``loaded``) are hashed from
+        # its tensors after its read (one pass, on its critical path) instead of beside it (a
+        # second pass over the page cache, on a core that would otherwise idle).
         mine = sorted(_share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
-        threads = _threads(reserve=1 if overlap else 0)
-        self._pool = HelpedPool(threads)
-        after_read = set(loaded) if not spare_core() else set()
+        self._threads = _threads(reserve=1 if overlap else 0)
+        self._pool = HelpedPool(self._threads)
+        spare = spare_core()
+        after_read = set(loaded) if not spare else set()
+        here, budget = [], _HASH_HERE
         for name in mine:
-            handed = _is_shard_file(name) or name in after_read
-            if overlap and handed and fusable(files[name]):
-                self._deferred.append(name)
+            shard = _is_shard_file(name)
+            if overlap and (shard or name in after_read) and fusable(files[name]):
+                if shard and spare and ahead:  # hashed from the file now, beside the loader
+                    self._hash_from_file(name, files[name])
+                else:
+                    self._deferred.append(name)
+            elif int(files[name]["bytes"]) <= budget:
+                here.append(name)
+                budget -= int(files[name]["bytes"])
             else:
                 self._jobs[name] = self._submit(name, files[name])
+        for name in here:  # after the threads have their work
+            self._jobs[name] = self._submit(name, files[name], here=True)
 
     def skip(self, folder: str) -> None:
         """Leave the files under ``folder`` (relative to the directory, ending in ``/``)
@@ -518,6 +469,11 @@ class PendingVerification:
         for name in [n for n in self._jobs if n.startswith(folder)]:
             for job in self._jobs.pop(name) or ():
                 job.cancel()
+        for name in [n for n in self._loaded if n.startswith(folder)]:
+            _, jobs, _, gaps = self._loaded.pop(name)
+            for job in (*jobs, gaps):
+                job.cancel()
+        self._sources = {n: v for n, v in self._sources.items() if not n.startswith(folder)}
         self._deferred = [n for n in self._deferred if not n.startswith(folder)]
 
     def hash_loaded(self, path: str | os.PathLike[str], obj: Any) -> None:
@@ -550,18 +506,54 @@ class PendingVerification:
         if name in self._deferred:
             self._deferred.remove(name)
 
+    def _hash_from_file(self, name: str, record: Mapping[str, Any]) -> None:
+        """Hash the tensors of file ``name`` that the load uses, by their ranges in the manifest,
+        and the bytes between them: the check :meth:`hash_loaded` makes from the loader's
+        tensors, started before the loader maps the file (see [Note: hashing ahead of the
+        loader]). The file is mapped here, so each job is one native call; its identity is
+        kept, so a file replaced meanwhile is not passed."""
+        try:
+            mapped = MappedFile(self.directory / name)
+        except (OSError, ValueError):
+            self._jobs[name] = None  # absent or unreadable: file_problem says which at wait()
+            return
+        assert self._pool is not None
+        self._mapped.append(mapped)
+        self._sources[name] = mapped.identity
+        entries = record["tensors"]
+        order = sorted(
+            wanted_tensors(record, True, self.values), key=lambda n: entries[n]["offset"]
+        )
+        meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
+        spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
+        # Two jobs a thread, each one native call, which takes the GIL back only at its end
+        # (see ds-zero's [Note: which CRC-32 runs]), while the loader is still unpickling.
+        share = sum(n for _, n in spans) // (2 * self._threads)
+        jobs = [
+            self._pool.submit(mapped.crcs, run)
+            for run in runs(spans, lambda span: span[1], max(share, 4 << 20))
+        ]
+        gaps = gap_spans(entries, int(record["bytes"]))
+        gaps_job = self._pool.submit(lambda: (mapped.crcs(gaps, chained=True) or [0])[-1])
+        self._loaded[name] = (meta, jobs, order, gaps_job)
+
     def _result(self, job: Future[Any]) -> Any:
         assert self._pool is not None
         return self._pool.result(job)
 
     def _loaded_problem(self, name: str, record: Mapping[str, Any]) -> str | None:
-        """None when what the loader read of ``name`` (and the gaps) matches the manifest;
-        otherwise the chunk check's description, which names the file and the tensors."""
+        """None when what was hashed of ``name`` (the loader's tensors, or the file's ranges,
+        and the gaps) matches the manifest; otherwise the chunk check's description, which
+        names the file and the tensors. A file hashed from the disk and replaced since (see
+        [Note: hashing ahead of the loader]) passes only if its replacement passes the chunk
+        check too: the loader mapped one of the two."""
         meta, jobs, order, gaps = self._loaded.pop(name)
-        crcs = (crc for job in jobs for crc in self._result(job))
-        loaded = {n: (*meta[n], crc) for n, crc in zip(order, crcs)}
-        try:
-            size = (self.directory / name).stat().st_size
+        path = self.directory / name
+        hashed = self._sources.get(name)
+        try:  # a file hashed from the disk and found short raises ValueError in its jobs
+            crcs = [crc for job in jobs for crc in self._result(job)]
+            loaded = {n: (*meta[n], crc) for n, crc in zip(order, crcs)}
+            size = hashed[2] if hashed is not None else path.stat().st_size
             same = loaded_matches(
                 record,
                 wanted_tensors(record, _is_shard_file(name), self.values),
@@ -569,14 +561,20 @@ class PendingVerification:
                 size,
                 self._result(gaps),
             )
+            moved = hashed is not None and hashed != file_identity(path.stat())
         except (OSError, ValueError):
-            same = False
-        if same:
+            same = moved = False
+        if same and not moved:
             return None
         problem = file_problem(self.directory, name, record)
+        if same and problem is None:
+            return None
         return problem or f"{name} corrupted (what was read differs from the manifest)"
 
-    def _submit(self, name: str, record: Mapping[str, Any]) -> list[Future[int]] | None:
+    def _submit(
+        self, name: str, record: Mapping[str, Any], here: bool = False
+    ) -> list[Future[int]] | None:
+        """The jobs hashing file ``name``'s chunks (``here``: run now, on this thread)."""
         path = self.directory / name
         try:
             size = path.stat().st_size
@@ -593,7 +591,8 @@ class PendingVerification:
             spans = [spans[i] for i in picked]
             entries = record["tensors"]
             spans += [(entries[n]["offset"], entries[n]["nbytes"]) for n in tensors]
-        return [self._pool.submit(_crc_range, path, a, n) for a, n in spans]
+        run = self._pool.run_here if here else self._pool.submit
+        return [run(_crc_range, path, a, n) for a, n in spans]
 
     def note(self, problem: str) -> None:
         """Add a problem the loader met while reading (told to every rank at the next wait)."""
@@ -668,8 +667,11 @@ class PendingVerification:
         """Stop the checksum threads (the verdict is no longer wanted)."""
         if self._pool is not None:
             self._pool.shutdown()
+            for mapped in self._mapped:  # no job runs any more; unmapping takes milliseconds
+                self._pool.later(mapped.close)
             self._pool = None
         self._loaded.clear()  # it holds the loader's tensors
+        self._mapped.clear()
 
     def __enter__(self) -> PendingVerification:
         return self
@@ -684,6 +686,7 @@ def start_verification(
     group: Any = None,
     values: Collection[str] | None = None,
     loaded: Collection[str] = (),
+    ahead: bool = True,
 ) -> PendingVerification:
     """Start checking a checkpoint directory against its ``ds_manifest.json`` on threads and
     return at once, so the checksums overlap the loader's reads (see [Note: verification
@@ -693,14 +696,17 @@ def start_verification(
     only those bytes of them (and their non-tensor bytes) are checked (see [Note: a path
     verifies what it uses]); None checks every byte of every file. A loader that maps a ZeRO
     shard file hands it to :meth:`~PendingVerification.hash_loaded`, which checks it from the
-    mapped tensors (see [Note: verifying what the loader read]); files the load turns out not
-    to read are dropped with :meth:`~PendingVerification.skip`. ``loaded``: the other files
+    mapped tensors (see [Note: verifying what the loader read]) unless a spare core hashes it
+    from the disk already (see [Note: hashing ahead of the loader]); files the load turns out
+    not to read are dropped with :meth:`~PendingVerification.skip`. ``loaded``: the other files
     (names relative to the directory, such as the model states file) the caller reads before
     the verdict and hands to :meth:`~PendingVerification.hash_loaded`. Where this process has
     a core to spare beside the loader's, they are hashed beside the read from the start, which
     hides the checksum behind the read; where it has none, they are hashed from the loader's
     tensors once read, instead of read a second time by a thread competing with the loader
-    for its core (and apart, at the verdict, if never handed over).
+    for its core (and apart, at the verdict, if never handed over). ``ahead``: False when the
+    load may turn out not to read the shard files (a ZeRO-1/2 load without the optimizer's
+    states): they are then not hashed ahead, which could be wasted work the verdict waits for.
 
     Example:
         >>> with start_verification(path) as pending:
@@ -708,7 +714,7 @@ def start_verification(
         ...     pending.wait()  # every rank's verdict
         ...     model.load_state_dict(state)
     """
-    return PendingVerification(Path(directory), group, values, loaded=loaded)
+    return PendingVerification(Path(directory), group, values, loaded=loaded, ahead=ahead)
 
 
 def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:

@@ -35,17 +35,16 @@ from typing import Any
 
 import torch
 
-from ds_zero._integrity import (
+from ds_zero._integrity import ChunkedCrcWriter, file_problem
+from ds_zero._read_checks import holds_value
+from ds_zero._readahead import read_ahead
+from ds_zero._sealed import (
     CheckpointError,
-    ChunkedCrcWriter,
-    file_problem,
     load_file,
     read_sealed_manifest,
     seal,
     write_json_atomic,
 )
-from ds_zero._read_checks import holds_value
-from ds_zero._readahead import read_ahead
 from ds_zero._shards import ShardLookup
 
 __all__ = [
@@ -383,7 +382,7 @@ def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:
 
 
 def write_manifest(manifest: Mapping[str, Any], path: Path) -> None:
-    """Write ``manifest`` sealed (see :func:`~ds_zero._integrity.seal`) as JSON, fsynced,
+    """Write ``manifest`` sealed (see :func:`~ds_zero._sealed.seal`) as JSON, fsynced,
     through a rename."""
     write_json_atomic(seal(manifest), path)
 

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ __all__ = [
     "holds_value",
     "listing",
     "loaded_matches",
+    "runs",
     "spans_crc",
     "tensor_crcs",
     "walk",
@@ -50,6 +51,7 @@ __all__ = [
 # The checksum threads of this process, by (process id, thread count); see HelpedPool.
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
+_Item = TypeVar("_Item")
 _BATCH = 4 << 20  # bytes of tensors hashed per job (small: the waiting loader takes some)
 
 # What a pending check holds of a file the loader handed over: each tensor's dtype and shape,
@@ -118,17 +120,26 @@ def tensor_crcs(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [_tensor_crc(t) for t in tensors]
 
 
-def batches(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
-    """``tensors`` in runs of about 16 MiB: one hashing job each (few jobs, several threads)."""
-    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+def runs(
+    items: Sequence[_Item], nbytes: Callable[[_Item], int], at_least: int = _BATCH
+) -> list[list[_Item]]:
+    """``items`` in consecutive runs of ``at_least`` bytes (``nbytes`` of each; by default 4
+    MiB) or a little more: one hashing job each (few jobs for several threads, small enough
+    that a waiting loader takes some)."""
+    out: list[list[_Item]] = [[]]
     size = 0
-    for name, t in tensors:
-        if size >= _BATCH:
+    for item in items:
+        if size >= at_least:
             out.append([])
             size = 0
-        out[-1].append((name, t))
-        size += tensor_span(t)[1]
+        out[-1].append(item)
+        size += nbytes(item)
     return [b for b in out if b]
+
+
+def batches(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Named tensors in :func:`runs` by their bytes."""
+    return runs(tensors, lambda named: tensor_span(named[1])[1])
 
 
 def fusable(record: Mapping[str, Any]) -> bool:
@@ -213,17 +224,26 @@ class HelpedPool:
         self._specs[job] = (fn, args)
         return job
 
+    def run_here(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` run now, on this thread, as a finished job (a small file, for which a
+        thread's hand-overs of the GIL would cost more than the hashing)."""
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as exc:  # raised where the result is asked for
+            done.set_exception(exc)
+        return done
+
+    def later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on a thread, unwatched (clean-up nobody waits for)."""
+        self._pool.submit(fn, *args)
+
     def help(self, jobs: Sequence[Future[Any]]) -> None:
         """Run here each of ``jobs`` (from the last) that no thread has started."""
         for job in reversed(jobs):
             spec = self._specs.get(job)
             if spec is not None and job.cancel():
-                done: Future[Any] = Future()
-                try:
-                    done.set_result(spec[0](*spec[1]))
-                except Exception as exc:  # raised where the result is asked for
-                    done.set_exception(exc)
-                self._taken[job] = done
+                self._taken[job] = self.run_here(spec[0], *spec[1])
 
     def result(self, job: Future[Any]) -> Any:
         """``job``'s result, wherever it ran."""

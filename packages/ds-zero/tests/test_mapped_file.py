@@ -1,0 +1,78 @@
+"""Spans of a checkpoint file hashed through one mapping: the values zlib gives, chained or
+not, from any thread, and clear errors for a file shorter than its record."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ds_zero._checksums import MappedFile, crc_spans, spans_crc
+from ds_zero._read_checks import HelpedPool
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, bytes]:
+    data = random.Random(0).randbytes(3 << 20)
+    path = tmp_path / "shard.pt"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_each_span_and_the_chain_equal_zlib(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    spans = [(0, 10), (4096, 1 << 20), (5, 0), (len(data) - 7, 7), (70_000, 3)]
+    assert crc_spans(path, spans) == [zlib.crc32(data[a : a + n]) for a, n in spans]
+    joined = b"".join(data[a : a + n] for a, n in spans)
+    assert crc_spans(path, spans, chained=True)[-1] == zlib.crc32(joined)
+    assert spans_crc(path, spans) == zlib.crc32(joined)
+    assert spans_crc(path, []) == 0
+
+
+def test_a_file_shorter_than_its_spans_is_named(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with pytest.raises(ValueError, match=f"{path.name} is shorter than its record"):
+        crc_spans(path, [(0, 4), (len(data) - 2, 3)])
+    empty = path.with_name("empty.pt")
+    empty.write_bytes(b"")
+    assert crc_spans(empty, [(0, 0)]) == [0]
+    with pytest.raises(ValueError, match="shorter than its record"):
+        spans_crc(empty, [(0, 1)])
+
+
+def test_one_mapping_serves_several_threads(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    runs = [[(i * 65_536, 65_536)] for i in range(40)]
+    with MappedFile(path) as mapped:
+        assert mapped.identity[2] == len(data) == mapped.size
+        st = os.stat(path)
+        assert mapped.identity == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        results: dict[int, list[int]] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, mapped.crcs(runs[i])))
+            for i in range(len(runs))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [results[i] for i in range(len(runs))] == [
+        [zlib.crc32(data[a : a + n]) for a, n in run] for run in runs
+    ]
+
+
+def test_a_pool_runs_a_job_here_as_a_finished_one() -> None:
+    pool = HelpedPool(1)
+    done = pool.run_here(lambda a, b: a + b, 2, 3)
+    assert done.done() and pool.result(done) == 5
+    failed = pool.run_here(lambda: 1 // 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+    ran = threading.Event()
+    pool.later(ran.set)
+    assert ran.wait(10)
+    pool.shutdown()
