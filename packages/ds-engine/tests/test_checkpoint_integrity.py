@@ -533,15 +533,22 @@ def test_the_loaders_reads_are_checked_as_read(saved_stage3: Path, tmp_path: Pat
 
 
 def _hash_ahead_load_body(
-    rank: int, world_size: int, *, root: str, spare: bool, replace: str | None = None
+    rank: int,
+    world_size: int,
+    *,
+    root: str,
+    spare: bool,
+    cached: bool = True,
+    replace: str | None = None,
 ) -> list[str]:
-    """:func:`_stage3_load_body` with the spare core forced on or off (shard files hashed from
-    the disk as the check starts, or from the loader's tensors). ``replace``: once the shard
-    file is hashed, and before the verdict, it is replaced by this file."""
+    """:func:`_stage3_load_body` with the spare core and the page cache's answer forced (shard
+    files hashed from the disk as the check starts, or from the loader's tensors).
+    ``replace``: once the shard file is hashed, and before the verdict, it is replaced by this
+    file."""
     from ds_zero import _integrity
 
     wait = _integrity.PendingVerification.wait
-    spare_core = _integrity.spare_core
+    spare_core, in_page_cache = _integrity.spare_core, _integrity.in_page_cache
     hashed_ahead: list[bool] = []
     name = "zero/zero_shards_rank00000.pt"
 
@@ -557,13 +564,14 @@ def _hash_ahead_load_body(
         return wait(self, problems)
 
     _integrity.spare_core = lambda: spare
+    _integrity.in_page_cache = lambda path, offsets: cached
     _integrity.PendingVerification.wait = replacing_wait
     try:
         results = _stage3_load_body(rank, world_size, root=root)
     finally:
-        _integrity.spare_core = spare_core
+        _integrity.spare_core, _integrity.in_page_cache = spare_core, in_page_cache
         _integrity.PendingVerification.wait = wait
-    assert hashed_ahead and set(hashed_ahead) == {spare}, hashed_ahead
+    assert hashed_ahead and set(hashed_ahead) == {spare and cached}, hashed_ahead
     return results
 
 
@@ -574,12 +582,17 @@ def saved_stage3_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("spare", [True, False], ids=["hashed ahead", "hashed as read"])
+@pytest.mark.parametrize(
+    ("spare", "cached"),
+    [(True, True), (True, False), (False, True)],
+    ids=["hashed ahead", "cold: hashed as read", "no core to spare: hashed as read"],
+)
 def test_a_shard_hashed_ahead_is_checked_as_one_hashed_as_read(
-    saved_stage3_one_rank: Path, tmp_path: Path, spare: bool
+    saved_stage3_one_rank: Path, tmp_path: Path, spare: bool, cached: bool
 ) -> None:
-    """Hashed from the disk before the loader maps it, a shard file is refused for the same
-    bytes, with the same error, as when hashed from the loader's tensors."""
+    """Hashed from the disk before the loader maps it (a core to spare, the file in the page
+    cache), a shard file is refused for the same bytes, with the same error, as when hashed
+    from the loader's tensors."""
     from ds_zero._read_checks import gap_spans
 
     name = "zero/zero_shards_rank00000.pt"
@@ -604,7 +617,9 @@ def test_a_shard_hashed_ahead_is_checked_as_one_hashed_as_read(
         root = tmp_path / kind
         shutil.copytree(saved_stage3_one_rank, root)
         damage(root / TAG / name)
-        (result,) = run_on_ranks(_hash_ahead_load_body, 1, root=str(root), spare=spare, timeout=300)
+        (result,) = run_on_ranks(
+            _hash_ahead_load_body, 1, root=str(root), spare=spare, cached=cached, timeout=300
+        )
         for got, wanted in zip(result, expected):
             assert all(w in got for w in wanted), (kind, got)
 

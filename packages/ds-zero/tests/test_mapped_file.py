@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_zero._checksums import MappedFile, crc_spans, spans_crc
+from ds_zero._checksums import MappedFile, crc_spans, in_page_cache, spans_crc
 from ds_zero._read_checks import HelpedPool
 
 
@@ -76,3 +76,25 @@ def test_a_pool_runs_a_job_here_as_a_finished_one() -> None:
     pool.later(ran.set)
     assert ran.wait(10)
     pool.shutdown()
+
+
+def test_the_page_cache_probe_tells_cached_bytes_from_dropped_ones(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """A file just written and read is in the page cache; once its pages are dropped
+    (``POSIX_FADV_DONTNEED`` after an fsync) it is not, and the probe says so without
+    reading it in."""
+    path, data = data_file
+    path.read_bytes()
+    offsets = [0, len(data) // 2, len(data) - 1]
+    if not in_page_cache(path, offsets):
+        pytest.skip("this platform or filesystem cannot tell (no RWF_NOWAIT reads)")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert not in_page_cache(path, offsets)
+    assert not in_page_cache(path, offsets)  # probing read nothing in
+    assert not in_page_cache(path.with_name("absent.pt"), [0])

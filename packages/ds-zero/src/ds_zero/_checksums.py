@@ -9,8 +9,8 @@ go to zlib: for them the native call's set-up costs more than the hashing, and z
 GIL below 5 KiB, so a thread hashing many of them does not give it up and wait to get it back
 behind the loader once per span. A small file range alone is read with ``os.pread`` (one
 system call) instead of through a fresh mapping of the file (page faults and a mapping per
-call). Many spans of one file (a shard file's tensors, or the bytes between them) are hashed
-through one mapping by one call of ``ds_native.crc32_spans``, which releases the GIL once: a
+call). Many large spans of one file (a shard file's tensors) are hashed through one mapping
+by one call of ``ds_native.crc32_spans``, which releases the GIL once: a
 hashing thread that took the GIL back after each span would wait for it behind a loader
 running Python (up to the interpreter's 5 ms switch interval) once per span, and the 571 spans
 of a 100M-parameter shard file's masters then took twice as long beside the loader's
@@ -60,6 +60,7 @@ __all__ = [
     "crc_ranges",
     "crc_spans",
     "file_identity",
+    "in_page_cache",
     "spans_crc",
     "spare_core",
     "threads",
@@ -116,6 +117,26 @@ def crc_range(path: Path, start: int, length: int) -> int:
         mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=base)
         with mapped, memoryview(mapped) as view, view[start - base :] as part:
             return crc32(part)
+
+
+def in_page_cache(path: Path, offsets: Sequence[int]) -> bool:
+    """Whether the bytes of ``path`` at ``offsets`` are all in the page cache (a read of one
+    byte each with ``RWF_NOWAIT``, which fails rather than wait for the disk). False where the
+    platform cannot tell, or the file cannot be read."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+        return False
+    byte = bytearray(1)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return all(os.preadv(fd, [byte], at, flag) == 1 for at in offsets)
+    except OSError:  # BlockingIOError: on the disk; EOPNOTSUPP: cannot tell
+        return False
+    finally:
+        os.close(fd)
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
@@ -176,10 +197,23 @@ def crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:
 
 
 def spans_crc(path: Path, spans: Sequence[tuple[int, int]]) -> int:
-    """The CRC-32 of ``spans`` of ``path`` one after another (only their bytes are touched).
-    Raises ValueError for a file shorter than the spans."""
-    crcs = crc_spans(path, spans, chained=True)
-    return crcs[-1] if crcs else 0
+    """The CRC-32 of ``spans`` of ``path`` one after another, each read with ``pread``: only
+    their bytes are touched (from a cold disk, a fault on a mapping of a few scattered bytes
+    reads the pages around them too, and one page at a time). Raises ValueError for a file
+    shorter than the spans."""
+    crc = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, length in spans:
+            while length > 0:  # large spans in pieces: no buffer bigger than a chunk
+                part = os.pread(fd, min(length, CHUNK), start)
+                if not part:
+                    raise ValueError(f"{path} is shorter than its record")
+                crc = crc32(part, crc)
+                start, length = start + len(part), length - len(part)
+    finally:
+        os.close(fd)
+    return crc
 
 
 def chunks(size: int, chunk: int | None = None) -> list[tuple[int, int]]:

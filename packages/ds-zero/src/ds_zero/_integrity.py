@@ -61,7 +61,12 @@ loader is still reading the model file and unpickling the shard's index, and the
 which has nothing to hide behind once the loader waits for the verdict, runs beside that. It
 is taken where a core is spare beside the loader's (the threads then do not compete with it);
 on a busy machine the loader's own tensors are hashed after its read, as before, which reads
-nothing twice. A file hashed from the disk is known by its device, inode, size and
+nothing twice. It is taken only for a file whose wanted bytes are in the page cache (eight
+tensors sampled with ``RWF_NOWAIT`` reads): from a cold disk the hashing thread, faulting the
+masters in page by page, competed for the disk with the loader's hundreds of small reads of
+the zip headers while it unpickles, and the load took 5-15% longer; there the loader maps the
+file first and reads its masters ahead, as before. A file hashed from the disk is known by
+its device, inode, size and
 modification time: one replaced or rewritten before the verdict is checked again whole, and
 passes only if both the file hashed and the file there now pass, since the loader mapped one
 of them. ``start_verification(ahead=False)`` leaves the shard files to a load that may not
@@ -85,6 +90,7 @@ from ds_zero._checksums import (
     ChunkedCrcWriter,
     MappedFile,
     file_identity,
+    in_page_cache,
     spans_crc,
     spare_core,
 )
@@ -450,8 +456,8 @@ class PendingVerification:
         for name in mine:
             shard = _is_shard_file(name)
             if overlap and (shard or name in after_read) and fusable(files[name]):
-                if shard and spare and ahead:  # hashed from the file now, beside the loader
-                    self._hash_from_file(name, files[name])
+                if shard and spare and ahead and self._cached(name, files[name]):
+                    self._hash_from_file(name, files[name])  # now, beside the loader
                 else:
                     self._deferred.append(name)
             elif int(files[name]["bytes"]) <= budget:
@@ -506,14 +512,26 @@ class PendingVerification:
         if name in self._deferred:
             self._deferred.remove(name)
 
+    def _cached(self, name: str, record: Mapping[str, Any]) -> bool:
+        """Whether the tensors of file ``name`` that the load uses are in the page cache (eight
+        of them sampled): from a cold disk, hashing them ahead would compete for the disk with
+        the loader's many small reads of the file's headers (see [Note: hashing ahead of the
+        loader])."""
+        entries = record["tensors"]
+        wanted = wanted_tensors(record, True, self.values)
+        picked = wanted[:: max(1, len(wanted) // 8)]
+        offsets = [int(entries[n]["offset"]) for n in picked if int(entries[n]["nbytes"])]
+        return in_page_cache(self.directory / name, offsets)
+
     def _hash_from_file(self, name: str, record: Mapping[str, Any]) -> None:
         """Hash the tensors of file ``name`` that the load uses, by their ranges in the manifest,
         and the bytes between them: the check :meth:`hash_loaded` makes from the loader's
         tensors, started before the loader maps the file (see [Note: hashing ahead of the
         loader]). The file is mapped here, so each job is one native call; its identity is
         kept, so a file replaced meanwhile is not passed."""
+        path = self.directory / name
         try:
-            mapped = MappedFile(self.directory / name)
+            mapped = MappedFile(path)
         except (OSError, ValueError):
             self._jobs[name] = None  # absent or unreadable: file_problem says which at wait()
             return
@@ -526,6 +544,11 @@ class PendingVerification:
         )
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
+        # The bytes between the tensors (a few hundred small spans) are hashed at the verdict,
+        # on the loading thread, with a read each: by then the loader's unpickling has read
+        # them (the zip headers and the pickle), and a thread reading them now would take the
+        # GIL back once per span behind the loader.
+        gaps = self._pool.defer(spans_crc, path, gap_spans(entries, int(record["bytes"])))
         # Two jobs a thread, each one native call, which takes the GIL back only at its end
         # (see ds-zero's [Note: which CRC-32 runs]), while the loader is still unpickling.
         share = sum(n for _, n in spans) // (2 * self._threads)
@@ -533,9 +556,7 @@ class PendingVerification:
             self._pool.submit(mapped.crcs, run)
             for run in runs(spans, lambda span: span[1], max(share, 4 << 20))
         ]
-        gaps = gap_spans(entries, int(record["bytes"]))
-        gaps_job = self._pool.submit(lambda: (mapped.crcs(gaps, chained=True) or [0])[-1])
-        self._loaded[name] = (meta, jobs, order, gaps_job)
+        self._loaded[name] = (meta, jobs, order, gaps)
 
     def _result(self, job: Future[Any]) -> Any:
         assert self._pool is not None
@@ -655,7 +676,7 @@ class PendingVerification:
         mine = self._problems() + list(problems)
         self._jobs = {}
         found = list(dict.fromkeys(agree(mine, self.group)))
-        self.close()
+        self._stop()
         if found:
             if len(found) == 1 and found[0].startswith(("checkpoint ", str(self.directory))):
                 raise CheckpointError(found[0])
@@ -663,15 +684,24 @@ class PendingVerification:
         self._verdict = self.manifest
         return self.manifest
 
-    def close(self) -> None:
-        """Stop the checksum threads (the verdict is no longer wanted)."""
+    def _stop(self) -> None:
+        """Stop the checksum threads: no job runs any more, and the loader's tensors are let go."""
         if self._pool is not None:
             self._pool.shutdown()
-            for mapped in self._mapped:  # no job runs any more; unmapping takes milliseconds
-                self._pool.later(mapped.close)
             self._pool = None
         self._loaded.clear()  # it holds the loader's tensors
-        self._mapped.clear()
+
+    def close(self) -> None:
+        """Stop the checksum threads (the verdict is no longer wanted) and let go of the files
+        hashed from the disk. Their mappings are unmapped on a checksum thread: unmapping a
+        populated mapping takes milliseconds and blocks the process's page faults meanwhile,
+        so it waits for the end of the load (the ``with`` block) rather than the verdict."""
+        self._stop()
+        if self._mapped:
+            later = HelpedPool(self._threads).later
+            for mapped in self._mapped:
+                later(mapped.close)
+            self._mapped = []
 
     def __enter__(self) -> PendingVerification:
         return self

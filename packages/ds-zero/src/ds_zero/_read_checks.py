@@ -234,6 +234,13 @@ class HelpedPool:
             done.set_exception(exc)
         return done
 
+    def defer(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` as a job no thread takes: it runs in :meth:`help`, or here when its
+        :meth:`result` is asked for first."""
+        job: Future[Any] = Future()
+        self._specs[job] = (fn, args)
+        return job
+
     def later(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on a thread, unwatched (clean-up nobody waits for)."""
         self._pool.submit(fn, *args)
@@ -246,7 +253,9 @@ class HelpedPool:
                 self._taken[job] = self.run_here(spec[0], *spec[1])
 
     def result(self, job: Future[Any]) -> Any:
-        """``job``'s result, wherever it ran."""
+        """``job``'s result, wherever it ran (a deferred job nobody helped with runs now)."""
+        if job not in self._taken and not job.running() and not job.done():
+            self.help([job])
         return self._taken.pop(job, job).result()
 
     def shutdown(self) -> None:
