@@ -12,9 +12,9 @@ system call) instead of through a fresh mapping of the file (page faults and a m
 call). Many large spans of one file (a shard file's tensors) are hashed through one mapping
 by one call of ``ds_native.crc32_spans``, which releases the GIL once: a
 hashing thread that took the GIL back after each span would wait for it behind a loader
-running Python (up to the interpreter's 5 ms switch interval) once per span, and the 571 spans
-of a 100M-parameter shard file's masters then took twice as long beside the loader's
-unpickling as alone.
+running Python (up to the interpreter's 5 ms switch interval) once per span: hashing the
+400 MB of fp32 masters of a 100M-parameter shard file in about 100 calls took twice as long
+beside the loader's unpickling as alone, and in one call no longer.
 """
 
 from __future__ import annotations
