@@ -486,11 +486,15 @@ def _stage3_load_body(rank: int, world_size: int, *, root: str) -> list[str]:
     return results
 
 
+def _saved_stage3(factory: pytest.TempPathFactory, ranks: int) -> Path:
+    root = factory.mktemp(f"integrity3-{ranks}") / "ckpt"
+    run_on_ranks(_stage3_save_body, ranks, root=str(root), timeout=300)
+    return root
+
+
 @pytest.fixture(scope="module")
 def saved_stage3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("integrity3") / "ckpt"
-    run_on_ranks(_stage3_save_body, 2, root=str(root), timeout=300)
-    return root
+    return _saved_stage3(tmp_path_factory, 2)
 
 
 def _flip_at(path: Path, offset: int) -> None:
@@ -554,7 +558,7 @@ def _hash_ahead_load_body(
 
     def replacing_wait(self, problems=()):
         if self._verdict is None:
-            hashed_ahead.append(name in self._sources)
+            hashed_ahead.append(name in self._mapped)
             if replace is not None:
                 for _, jobs, _, gaps in self._loaded.values():
                     for job in (*jobs, gaps):
@@ -577,9 +581,7 @@ def _hash_ahead_load_body(
 
 @pytest.fixture(scope="module")
 def saved_stage3_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("integrity3one") / "ckpt"
-    run_on_ranks(_stage3_save_body, 1, root=str(root), timeout=300)
-    return root
+    return _saved_stage3(tmp_path_factory, 1)
 
 
 @pytest.mark.parametrize(

@@ -33,15 +33,14 @@ except ImportError:  # ds-native absent, or a release without crc32
     _native_crc32 = zlib.crc32
 
 
-def _spans_each(data: Any, spans: Sequence[tuple[int, int]], *, chained: bool = False) -> list[int]:
+def _spans_each(data: Any, spans: Sequence[tuple[int, int]]) -> list[int]:
     """The CRC-32 of each span of ``data``, span by span (ds-native's ``crc32_spans`` where
     it is absent)."""
-    out, value = [], 0
+    out = []
     with memoryview(data) as view:
         for start, length in spans:
             with view[start : start + length] as part:
-                value = crc32(part, value if chained else 0)
-            out.append(value)
+                out.append(crc32(part))
     return out
 
 
@@ -58,7 +57,6 @@ __all__ = [
     "crc32",
     "crc_range",
     "crc_ranges",
-    "crc_spans",
     "file_identity",
     "in_page_cache",
     "spans_crc",
@@ -161,14 +159,13 @@ class MappedFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
 
-    def crcs(self, spans: Sequence[tuple[int, int]], chained: bool = False) -> list[int]:
-        """The CRC-32 of each ``(start, length)`` span; ``chained``: each continues from the
-        one before, so the last is the CRC-32 of the spans one after another. Raises
-        ValueError for a file shorter than the spans."""
+    def crcs(self, spans: Sequence[tuple[int, int]]) -> list[int]:
+        """The CRC-32 of each ``(start, length)`` span. Raises ValueError for a file shorter
+        than the spans."""
         last = max((start + length for start, length in spans), default=0)
         if last > self.size:
             raise ValueError(f"{self.path} is shorter than its record ({self.size} < {last})")
-        return _crc32_spans(self._view, spans, chained=chained) if spans else []
+        return _crc32_spans(self._view, spans) if spans else []
 
     def close(self) -> None:
         self._view.release()
@@ -180,12 +177,6 @@ class MappedFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def crc_spans(path: Path, spans: Sequence[tuple[int, int]], *, chained: bool = False) -> list[int]:
-    """:meth:`MappedFile.crcs` of ``path``, mapped for the call."""
-    with MappedFile(path) as mapped:
-        return mapped.crcs(spans, chained)
 
 
 def crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:

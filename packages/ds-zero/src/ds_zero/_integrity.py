@@ -429,10 +429,9 @@ class PendingVerification:
         # names, their dtypes and shapes, their CRC-32 jobs and the gaps' CRC-32 job.
         self._deferred: list[str] = []
         self._loaded: dict[str, LoadedFile] = {}
-        # Files hashed from the disk beside the loader: the identity each had when mapped,
-        # and the mappings (closed once no thread hashes them).
-        self._sources: dict[str, tuple[int, ...]] = {}
-        self._mapped: list[MappedFile] = []
+        # Files hashed from the disk beside the loader, mapped (each knows the identity the
+        # file had; closed once no thread hashes them).
+        self._mapped: dict[str, MappedFile] = {}
         self._verdict: dict[str, Any] | None = None
         self._pool: HelpedPool | None = None
         try:
@@ -456,9 +455,7 @@ class PendingVerification:
         for name in mine:
             shard = _is_shard_file(name)
             if overlap and (shard or name in after_read) and fusable(files[name]):
-                if shard and spare and ahead and self._cached(name, files[name]):
-                    self._hash_from_file(name, files[name])  # now, beside the loader
-                else:
+                if not (shard and spare and ahead and self._hash_from_file(name, files[name])):
                     self._deferred.append(name)
             elif int(files[name]["bytes"]) <= budget:
                 here.append(name)
@@ -479,7 +476,6 @@ class PendingVerification:
             _, jobs, _, gaps = self._loaded.pop(name)
             for job in (*jobs, gaps):
                 job.cancel()
-        self._sources = {n: v for n, v in self._sources.items() if not n.startswith(folder)}
         self._deferred = [n for n in self._deferred if not n.startswith(folder)]
 
     def hash_loaded(self, path: str | os.PathLike[str], obj: Any) -> None:
@@ -512,36 +508,30 @@ class PendingVerification:
         if name in self._deferred:
             self._deferred.remove(name)
 
-    def _cached(self, name: str, record: Mapping[str, Any]) -> bool:
-        """Whether the tensors of file ``name`` that the load uses are in the page cache (eight
-        of them sampled): from a cold disk, hashing them ahead would compete for the disk with
-        the loader's many small reads of the file's headers (see [Note: hashing ahead of the
-        loader])."""
-        entries = record["tensors"]
-        wanted = wanted_tensors(record, True, self.values)
-        picked = wanted[:: max(1, len(wanted) // 8)]
-        offsets = [int(entries[n]["offset"]) for n in picked if int(entries[n]["nbytes"])]
-        return in_page_cache(self.directory / name, offsets)
-
-    def _hash_from_file(self, name: str, record: Mapping[str, Any]) -> None:
+    def _hash_from_file(self, name: str, record: Mapping[str, Any]) -> bool:
         """Hash the tensors of file ``name`` that the load uses, by their ranges in the manifest,
         and the bytes between them: the check :meth:`hash_loaded` makes from the loader's
         tensors, started before the loader maps the file (see [Note: hashing ahead of the
-        loader]). The file is mapped here, so each job is one native call; its identity is
-        kept, so a file replaced meanwhile is not passed."""
+        loader]). False, and nothing started, when those tensors are not in the page cache
+        (eight sampled): from a cold disk, hashing them ahead would compete for the disk with
+        the loader's many small reads of the file's headers. The file is mapped here, so each
+        job is one native call; the mapping keeps the file's identity, so a file replaced
+        meanwhile is not passed."""
         path = self.directory / name
-        try:
-            mapped = MappedFile(path)
-        except (OSError, ValueError):
-            self._jobs[name] = None  # absent or unreadable: file_problem says which at wait()
-            return
-        assert self._pool is not None
-        self._mapped.append(mapped)
-        self._sources[name] = mapped.identity
         entries = record["tensors"]
         order = sorted(
             wanted_tensors(record, True, self.values), key=lambda n: entries[n]["offset"]
         )
+        sampled = [n for n in order[:: max(1, len(order) // 8)] if int(entries[n]["nbytes"])]
+        if not in_page_cache(path, [int(entries[n]["offset"]) for n in sampled]):
+            return False
+        try:
+            mapped = MappedFile(path)
+        except (OSError, ValueError):
+            self._jobs[name] = None  # absent or unreadable: file_problem says which at wait()
+            return True
+        assert self._pool is not None
+        self._mapped[name] = mapped
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
         # The bytes between the tensors (a few hundred small spans) are hashed at the verdict,
@@ -557,6 +547,7 @@ class PendingVerification:
             for run in runs(spans, lambda span: span[1], max(share, 4 << 20))
         ]
         self._loaded[name] = (meta, jobs, order, gaps)
+        return True
 
     def _result(self, job: Future[Any]) -> Any:
         assert self._pool is not None
@@ -570,7 +561,7 @@ class PendingVerification:
         check too: the loader mapped one of the two."""
         meta, jobs, order, gaps = self._loaded.pop(name)
         path = self.directory / name
-        hashed = self._sources.get(name)
+        hashed = self._mapped[name].identity if name in self._mapped else None
         try:  # a file hashed from the disk and found short raises ValueError in its jobs
             crcs = [crc for job in jobs for crc in self._result(job)]
             loaded = {n: (*meta[n], crc) for n, crc in zip(order, crcs)}
@@ -699,9 +690,9 @@ class PendingVerification:
         self._stop()
         if self._mapped:
             later = HelpedPool(self._threads).later
-            for mapped in self._mapped:
+            for mapped in self._mapped.values():
                 later(mapped.close)
-            self._mapped = []
+            self._mapped = {}
 
     def __enter__(self) -> PendingVerification:
         return self
