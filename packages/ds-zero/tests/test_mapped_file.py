@@ -1,6 +1,6 @@
-"""Spans of a checkpoint file hashed through one mapping (each span) or read one by one (the
-chain): the values zlib gives, from any thread, and clear errors for a file shorter than its
-record."""
+"""Spans of a checkpoint file hashed through one mapping (each span, or the chain of them) or
+read one by one (the chain): the values zlib gives, from any thread, and clear errors for a
+file shorter than its record."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_zero._checksums import MappedFile, in_page_cache, spans_crc
+from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, spans_crc
 from ds_zero._read_checks import HelpedPool
 
 
@@ -27,14 +27,20 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
 def test_each_span_and_the_chain_equal_zlib(data_file: tuple[Path, bytes]) -> None:
     path, data = data_file
     spans = [(0, 10), (4096, 1 << 20), (5, 0), (len(data) - 7, 7), (70_000, 3)]
+    joined = b"".join(data[a : a + n] for a, n in spans)
+    backwards = b"".join(data[a : a + n] for a, n in spans[::-1])
     with MappedFile(path) as mapped:
         assert mapped.crcs(spans) == [zlib.crc32(data[a : a + n]) for a, n in spans]
-    joined = b"".join(data[a : a + n] for a, n in spans)
+        assert mapped.chain(spans) == zlib.crc32(joined)
+        assert mapped.chain(spans[::-1]) == zlib.crc32(backwards)
+        assert mapped.chain([]) == 0
     assert spans_crc(path, spans) == zlib.crc32(joined)
-    assert spans_crc(path, spans[::-1]) == zlib.crc32(
-        b"".join(data[a : a + n] for a, n in spans[::-1])
-    )
+    assert spans_crc(path, spans[::-1]) == zlib.crc32(backwards)
     assert spans_crc(path, []) == 0
+    # without ds-native's crc32_spans, span by span: the same values, chained or not
+    each = [zlib.crc32(data[a : a + n]) for a, n in spans]
+    assert _spans_each(data, spans) == each
+    assert _spans_each(data, spans, chained=True)[-1] == zlib.crc32(joined)
 
 
 def test_a_file_shorter_than_its_spans_is_named(data_file: tuple[Path, bytes]) -> None:
@@ -42,6 +48,8 @@ def test_a_file_shorter_than_its_spans_is_named(data_file: tuple[Path, bytes]) -
     short = pytest.raises(ValueError, match=f"{path.name} is shorter than its record")
     with MappedFile(path) as mapped, short:
         mapped.crcs([(0, 4), (len(data) - 2, 3)])
+    with MappedFile(path) as mapped, short:
+        mapped.chain([(0, 4), (len(data) - 2, 3)])
     empty = path.with_name("empty.pt")
     empty.write_bytes(b"")
     with MappedFile(empty) as mapped:
