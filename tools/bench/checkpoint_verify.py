@@ -28,15 +28,24 @@ Usage (from the workspace root)::
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/checkpoint_verify.py --params 10 --rounds 5
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/checkpoint_verify.py --params 10 --rounds 5 --cold
     ... --stage 3 --no-optimizer-states --phases   # one setting, with each load phase timed
+    ... --stage 3 --no-optimizer-states --processes 6   # the median over 6 fresh processes
+
+A process's speed can differ from the next one's by more than the checks cost (on the shared
+development VM the same unverified load takes 30 ms in one process and 40 ms in the next), so
+``--processes N`` runs the whole measurement in N fresh processes, one after another, and gives
+the median over them of each figure, with each process's paired overhead.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -235,7 +244,7 @@ def _settings(args: argparse.Namespace) -> list[tuple[int, bool]]:
     return [(stage, full) for stage in stages for full in loads]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "checkpoint verification cost").splitlines()[0]
     )
@@ -258,15 +267,28 @@ def main() -> None:
         action="store_true",
         help="only the weights-only loads (load_checkpoint(load_optimizer_states=False))",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run the whole measurement in this many fresh processes, one after another, and "
+        "give the median over them (a process's speed can differ from the next one's by more "
+        "than the checks cost)",
+    )
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a child's rows
+    return parser
+
+
+def _measure_here(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], float]:
+    """Each setting's measurement in this process, and the parameter count."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     rows = []
-    load_before = os.getloadavg()[0]
     settings = _settings(args)
+    params = 0.0
     for stage in dict.fromkeys(stage for stage, _ in settings):
         engine = _engine(args.params, args.width, stage)
         x = torch.randn(2, args.width)
@@ -284,15 +306,78 @@ def main() -> None:
                 result = _measure(engine, root, load, args)
                 rows.append((f"ZeRO-{stage}, {what}, {size / 2**20:.0f} MiB", result))
         params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    print(
-        f"\n{params / 1e6:.1f}M parameters, {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, {'cold' if args.cold else 'warm'} page cache, median of "
-        f"{args.rounds} alternating rounds; load average {load_before:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after (a busy machine leaves no core for the checksum threads)"
+    return rows, params
+
+
+def _in_processes(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], float]:
+    """The measurement run in ``args.processes`` fresh processes, one after another: per
+    setting, the median over the processes of each median, and each process's paired
+    overhead (``"each"``)."""
+    argv = [f"--params={args.params}", f"--width={args.width}", f"--rounds={args.rounds}"]
+    argv += [f"--stage={args.stage}"] if args.stage else []
+    argv += ["--cold"] if args.cold else []
+    argv += ["--no-optimizer-states"] if args.no_optimizer_states else []
+    runs = []
+    for i in range(args.processes):
+        proc = subprocess.run(
+            [sys.executable, __file__, *argv, "--json"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"process {i + 1} of {args.processes} failed:\n{proc.stderr[-3000:]}")
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        paired = ", ".join(f"{100 * row[1]['paired'][1]:+.1f}%" for row in runs[-1]["rows"])
+        print(f"process {i + 1}/{args.processes}: paired overhead {paired}", file=sys.stderr)
+    rows = []
+    for k, (name, _) in enumerate(runs[0]["rows"]):
+        results = [run["rows"][k][1] for run in runs]
+        each = [r["paired"][1] for r in results]
+        rows.append(
+            (
+                name,
+                {
+                    "paired": [min(each), statistics.median(each), max(each)],
+                    "each": each,
+                    **{
+                        key: {arm: statistics.median(r[key][arm] for r in results) for arm in _ARMS}
+                        for key in ("wall", "cpu")
+                    },
+                },
+            )
+        )
+    return rows, runs[0]["params"]
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    load_before = os.getloadavg()[0]
+    if args.processes > 1:
+        rows, params = _in_processes(args)
+    else:
+        rows, params = _measure_here(args)
+    if args.json:
+        keep = ("paired", "wall", "cpu")
+        out = [(name, {k: result[k] for k in keep}) for name, result in rows]
+        print(json.dumps({"rows": out, "params": params}))
+        return
+    where = (
+        f"median of {args.rounds} alternating rounds"
+        if args.processes == 1
+        else f"{args.processes} processes of {args.rounds} alternating rounds each, the median "
+        "over the processes"
     )
     print(
+        f"\n{params / 1e6:.1f}M parameters, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, {'cold' if args.cold else 'warm'} page cache, {where}; "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (a busy machine "
+        "leaves no core for the checksum threads)"
+    )
+    spread = "[quartiles]" if args.processes == 1 else "[lowest, highest process]"
+    print(
         "| setting | load without verify (s) | with verify (s) | overhead "
-        "| paired overhead [quartiles] | CPU without (s) | CPU with (s) | CPU overhead |"
+        f"| paired overhead {spread} | CPU without (s) | CPU with (s) | CPU overhead |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, result in rows:
@@ -305,7 +390,11 @@ def main() -> None:
             f"| {100 * mid:+.1f}% [{100 * low:+.1f}%, {100 * high:+.1f}%] "
             f"| {ca:.3f} | {cb:.3f} | {100 * (cb / ca - 1):+.1f}% |"
         )
-    if args.phases:
+    for name, result in rows:
+        if "each" in result:
+            each = ", ".join(f"{100 * x:+.1f}%" for x in result["each"])
+            print(f"\n{name}: paired overhead of each process: {each}")
+    if args.phases and args.processes == 1:
         for name, result in rows:
             print(f"\n{name}")
             _print_phases(result["spans"], result["times"])
