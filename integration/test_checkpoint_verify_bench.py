@@ -23,8 +23,8 @@ ROW = re.compile(
 )
 
 
-def _run(*args: str) -> str:
-    proc = subprocess.run(
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, str(ROOT / "tools/bench/checkpoint_verify.py"), *TINY, *args],
         capture_output=True,
         text=True,
@@ -32,6 +32,10 @@ def _run(*args: str) -> str:
         check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def _run(*args: str) -> str:
+    proc = _bench(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -66,3 +70,12 @@ def test_several_processes_give_the_median_and_each_process() -> None:
     assert sorted(map(float, each.groups())) == [low, high]
     assert low <= paired <= high
     assert "2 processes of 2 alternating rounds each" in out
+
+
+def test_options_that_cannot_apply_are_refused() -> None:
+    for args, message in (
+        (("--processes", "0"), "--processes 0: give 1 or more"),
+        (("--processes", "2", "--phases"), "--phases times the loads of one process"),
+    ):
+        proc = _bench(*args)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -351,7 +351,12 @@ def _in_processes(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], flo
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes}: give 1 or more")
+    if args.phases and args.processes > 1:
+        parser.error("--phases times the loads of one process: leave out --processes")
     load_before = os.getloadavg()[0]
     if args.processes > 1:
         rows, params = _in_processes(args)
@@ -394,7 +399,7 @@ def main() -> None:
         if "each" in result:
             each = ", ".join(f"{100 * x:+.1f}%" for x in result["each"])
             print(f"\n{name}: paired overhead of each process: {each}")
-    if args.phases and args.processes == 1:
+    if args.phases:
         for name, result in rows:
             print(f"\n{name}")
             _print_phases(result["spans"], result["times"])
