@@ -64,14 +64,13 @@ on a busy machine the loader's own tensors are hashed after its read, as before,
 nothing twice. It is taken only for a file whose wanted bytes are in the page cache (eight
 tensors sampled with ``RWF_NOWAIT`` reads): from a cold disk the hashing thread, faulting the
 masters in page by page, competed for the disk with the loader's hundreds of small reads of
-the zip headers while it unpickles, and the load took 5-15% longer; there the loader maps the
-file first and reads its masters ahead, as before. A file hashed from the disk is known by
-its device, inode, size and
-modification time: one replaced or rewritten before the verdict is checked again whole, and
-passes only if both the file hashed and the file there now pass, since the loader mapped one
-of them. ``start_verification(ahead=False)`` leaves the shard files to a load that may not
-read them (a ZeRO-1/2 load without the optimizer's states): hashing them could only be
-wasted work, which the verdict would wait for.
+the zip headers while it unpickles, and the load took 13-50% longer (eight runs); there the
+loader maps the file first and reads its masters ahead, as before. A file hashed from the disk
+is known by its device, inode, size and modification time: one replaced or rewritten before
+the verdict is checked again whole, and passes only if both the file hashed and the file there
+now pass, since the loader mapped one of them. ``start_verification(ahead=False)`` leaves the
+shard files to a load that may not read them (a ZeRO-1/2 load without the optimizer's
+states): hashing them could only be wasted work, which the verdict would wait for.
 """
 
 from __future__ import annotations
