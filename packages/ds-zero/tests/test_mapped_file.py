@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, spans_crc
-from ds_zero._read_checks import HelpedPool
+from ds_zero._read_checks import _AHEAD_JOB, HelpedPool, ahead_jobs
 
 
 @pytest.fixture
@@ -112,3 +112,20 @@ def test_the_page_cache_probe_tells_cached_bytes_from_dropped_ones(
     assert not in_page_cache(path, offsets)
     assert not in_page_cache(path, offsets)  # probing read nothing in
     assert not in_page_cache(path.with_name("absent.pt"), [0])
+
+
+def test_a_file_hashed_ahead_is_split_into_few_jobs() -> None:
+    """One job a thread, none under _AHEAD_JOB: a 10M-parameter shard's 40 MiB of masters is
+    one job on any host, 380 MiB is a job a thread on an 8-thread host, and every span is in
+    exactly one job, in order."""
+    mib = 1 << 20
+    small = [(i * 2 * mib, 2 * mib) for i in range(20)]  # 40 MiB in 2 MiB tensors
+    assert ahead_jobs(small, threads=8) == [small]
+    assert ahead_jobs(small, threads=1) == [small]
+    big = [(i * 4 * mib, 4 * mib) for i in range(95)]  # 380 MiB in 4 MiB tensors
+    for threads, expected in ((8, 8), (4, 4), (1, 1), (16, 8)):
+        jobs = ahead_jobs(big, threads)
+        assert len(jobs) == expected
+        assert [span for job in jobs for span in job] == big
+        assert all(sum(n for _, n in job) >= _AHEAD_JOB for job in jobs[:-1])
+    assert ahead_jobs([], threads=8) == []

@@ -101,13 +101,13 @@ from ds_zero._ranks import agree, ranks_in
 from ds_zero._read_checks import (
     HelpedPool,
     LoadedFile,
+    ahead_jobs,
     batches,
     fusable,
     gap_spans,
     holds_value,
     listing,
     loaded_matches,
-    runs,
     tensor_crcs,
     walk,
     wanted_tensors,
@@ -539,16 +539,8 @@ class PendingVerification:
         # now, from a cold disk, each page fault would read the pages around it; read with a
         # system call each, they cost 0.15 ms of a 30 ms load.
         gaps = self._pool.defer(mapped.chain, gap_spans(entries, int(record["bytes"])))
-        # One job a thread, each one native call, which takes the GIL back only at its end
-        # (see ds-zero's [Note: which CRC-32 runs]). The end of each job takes the GIL from a
-        # loader still unpickling; a second job a thread (so that a loader waiting for the
-        # verdict could take one over) cost the unpickling 0.6-1.4 ms more on a 10M-parameter
-        # load, and the jobs end before the loader waits anyway.
-        share = sum(n for _, n in spans) // self._threads
-        jobs = [
-            self._pool.submit(mapped.crcs, run)
-            for run in runs(spans, lambda span: span[1], max(share, 4 << 20))
-        ]
+        # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
+        jobs = [self._pool.submit(mapped.crcs, run) for run in ahead_jobs(spans, self._threads)]
         self._loaded[name] = (meta, jobs, order, gaps)
         return True
 
