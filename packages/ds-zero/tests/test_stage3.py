@@ -442,6 +442,40 @@ def test_checkpoint_shards_cover_once_and_reload_on_another_world_size(
     assert max(errors) <= 1e-5
 
 
+def _state_buffers_body(rank: int, world_size: int) -> tuple[int, int, int, bool]:
+    """Loading shards makes each optimizer-state buffer once (a ``setdefault`` zeroed a whole
+    master per parameter and key: a 10M-parameter load took 1.3 s instead of 0.15 s)."""
+    model, zero = _new_stage3(None, rank, seed=0)
+    zero.backward(model(next(micro_batches(global_batches(1, ROWS)[0], rank, world_size, 1))))
+    zero.step()
+    shards = zero.checkpoint_shards()
+    expected = {k: v.clone() for k, v in zero.optimizer.state[zero.masters[0]].items()}
+    model2, zero2 = _new_stage3(None, rank, seed=7)
+    made = []
+    zeros_like = torch.zeros_like
+
+    def counted(*args, **kwargs):
+        made.append(args[0].numel())
+        return zeros_like(*args, **kwargs)
+
+    torch.zeros_like = counted
+    try:
+        zero2.load_checkpoint_shards(_lookup_from(shards))
+    finally:
+        torch.zeros_like = zeros_like
+    loaded = zero2.optimizer.state[zero2.masters[0]]
+    same = all(torch.equal(loaded[k], v) for k, v in expected.items() if v.numel() > 1)
+    trained = sum(1 for p in model2.parameters() if p.requires_grad)
+    return len(made), len(zero2.masters), trained, same
+
+
+def test_loading_shards_makes_each_state_buffer_once() -> None:
+    ((made, masters, params, same),) = run_on_ranks(_state_buffers_body, 1)
+    assert same
+    assert params > masters  # several parameters share a master
+    assert made == 2 * masters  # exp_avg and exp_avg_sq, once each
+
+
 def _state_dict_body(rank: int, world_size: int) -> float:
     batches = global_batches(4, ROWS)
     model, zero = _new_stage3(None, rank, seed=0)

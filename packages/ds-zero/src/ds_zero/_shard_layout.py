@@ -481,7 +481,11 @@ class ShardLayout:
                 master.narrow(0, slot.offset, n).copy_(found["param"])
                 for key, value in found.items():
                     if key != "param":
-                        target = states[slot.index].setdefault(key, torch.zeros_like(master))
+                        # One buffer a master and key, made on its first piece (a setdefault
+                        # would zero a whole master per parameter: quadratic in the model).
+                        target = states[slot.index].get(key)
+                        if target is None:
+                            target = states[slot.index][key] = torch.zeros_like(master)
                         target.narrow(0, slot.offset, n).copy_(value)
             for master, state in zip(self.masters, states):
                 old = self.optimizer.state.pop(master, {})

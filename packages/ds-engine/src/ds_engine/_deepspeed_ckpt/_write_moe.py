@@ -35,6 +35,7 @@ import math
 import re
 import sys
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ __all__ = [
     "MoELayer",
     "MoEState",
     "MoETemplate",
+    "assemble_pieces",
     "check_moe_target",
     "has_moe",
     "write_moe",
@@ -175,13 +177,16 @@ def _held_pieces(engine: Any, optimizer: Any, experts: _Experts) -> list[tuple]:
     return out
 
 
-def _assemble(gathered: list[list[tuple]]) -> dict[str, dict[str, torch.Tensor]]:
+def assemble_pieces(pieces: Iterable[tuple]) -> dict[str, dict[str, torch.Tensor]]:
+    """Whole flat fp32 tensors by name and value key, from ``(name, numel, start, stop,
+    values)`` pieces; zero where no piece lands. Each tensor is made once, on its first piece."""
     whole: dict[str, dict[str, torch.Tensor]] = {}
-    for pieces in gathered:
-        for name, numel, start, stop, values in pieces:
-            entry = whole.setdefault(name, {})
-            for key, value in values.items():
-                entry.setdefault(key, torch.zeros(numel))[start:stop].copy_(value)
+    for name, numel, start, stop, values in pieces:
+        entry = whole.setdefault(name, {})
+        for key, value in values.items():
+            if key not in entry:
+                entry[key] = torch.zeros(numel)
+            entry[key][start:stop].copy_(value)
     return whole
 
 
@@ -464,7 +469,7 @@ def write_moe(engine: Any, root: Path, *, world: int, stage: int, client: dict[s
     state = MoEState(
         layers=experts.layers,
         templates=templates,
-        whole=_assemble([pieces for pieces, _ in gathered]),
+        whole=assemble_pieces(p for pieces, _ in gathered for p in pieces),
         expert_weights=expert_weights,
         dense=OrderedDict((k, v) for k, v in weights.items() if experts.split(k) is None),
         shapes={k: v.shape for k, v in weights.items()},

@@ -143,11 +143,11 @@ def _assemble(pieces: list) -> tuple[dict[str, torch.Tensor], dict[str, dict[str
     for name, shape, start, stop, values in pieces:
         numel = math.prod(shape)
         for key, value in values.items():
-            if key == "param":
-                whole = fp32.setdefault(name, torch.zeros(numel))
-            else:
-                whole = moments.setdefault(name, {}).setdefault(key, torch.zeros(numel))
-            whole[start:stop].copy_(value.reshape(-1))
+            into = fp32 if key == "param" else moments.setdefault(name, {})
+            slot = name if key == "param" else key
+            if slot not in into:  # made once, on its first piece
+                into[slot] = torch.zeros(numel)
+            into[slot][start:stop].copy_(value.reshape(-1))
     return fp32, moments
 
 

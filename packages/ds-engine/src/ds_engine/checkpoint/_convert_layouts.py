@@ -37,6 +37,7 @@ from ds_engine._deepspeed_ckpt._write_moe import (
     MoELayer,
     MoEState,
     MoETemplate,
+    assemble_pieces,
     write_moe_layout,
 )
 from ds_engine._deepspeed_ckpt._write_pipe import check_pipeline_target
@@ -111,15 +112,6 @@ def _pieces(
                 piece = {k: v[at : at + end - begin].float().clone() for k, v in values.items()}
                 out.append((rename(name), numel, begin - offset, end - offset, piece))
     return out
-
-
-def _assemble(pieces: list[tuple]) -> dict[str, dict[str, torch.Tensor]]:
-    whole: dict[str, dict[str, torch.Tensor]] = {}
-    for name, numel, start, stop, values in pieces:
-        entry = whole.setdefault(name, {})
-        for key, value in values.items():
-            entry.setdefault(key, torch.zeros(numel))[start:stop].copy_(value)
-    return whole
 
 
 def _group(saved: Mapping[str, Any], g: int) -> tuple[dict[str, Any], torch.Tensor | None]:
@@ -200,7 +192,7 @@ def _stage_state(
     saved = [_load(f) for f in files]
     zero = [_zero_state(s.get("optimizer"), f) for s, f in zip(saved, files)]
     pieces = [p for z in zero for p in _pieces(z, lambda g, z=z: int(z["rank"]), str)]
-    whole = _assemble(pieces)
+    whole = assemble_pieces(pieces)
     groups, shapes = [], OrderedDict()
     for g, layout in enumerate(zero[0]["layout"]):
         named = _layout_names(layout)
@@ -428,7 +420,7 @@ def read_moe(
     moe_state = MoEState(
         layers=layers,
         templates=templates,
-        whole=_assemble(pieces),
+        whole=assemble_pieces(pieces),
         expert_weights=expert_weights,
         dense=dense,
         shapes=shapes,
