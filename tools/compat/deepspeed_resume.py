@@ -109,11 +109,12 @@ def _worker(rank: int, world: int, args: dict, port: int, queue) -> None:
             "client_state": {k: v for k, v in (client or {}).items() if k in CLIENT_KEYS},
             "lr": engine.get_lr()[0],
         }
-    except Exception as exc:  # reported to the caller, which fails with it
+    except Exception as exc:  # reported to the caller, which fails (or skips) with it
         import traceback
 
         traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        queue.put({"error": f"rank {rank}: {type(exc).__name__}: {exc}"[:2000]})
+        return
     if rank == 0:
         queue.put(result)
 
@@ -122,20 +123,9 @@ def resume(
     load: str, model: str, world: int, stage: int, dtype: str, steps: int, universal: bool = False
 ) -> dict:
     """DeepSpeed resumes ``load`` on ``world`` ranks: its next ``steps`` losses."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     args = {"load": load, "model": model, "stage": stage, "dtype": dtype, "steps": steps}
     args["universal"] = universal
-    port = 29300 + os.getpid() % 300
-    procs = [ctx.Process(target=_worker, args=(r, world, args, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=120)
-    return result
+    return maker.run_ranks(_worker, world, args, 29300 + os.getpid() % 300)
 
 
 def main() -> None:

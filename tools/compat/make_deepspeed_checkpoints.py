@@ -29,9 +29,11 @@ import json
 import os
 import shutil
 import sys
+import time
 import traceback
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -371,15 +373,23 @@ def _worker(rank: int, world: int, out: str, port: int, only: str | None, queue)
 
 
 def _resume_worker(rank: int, world: int, args: dict, port: int, queue) -> None:
-    """Resume ``args["load"]`` in DeepSpeed and train ``args["steps"]`` steps."""
+    """Resume ``args["load"]`` in DeepSpeed and train ``args["steps"]`` steps; rank 0 reports
+    the losses, and a rank that fails reports its error (so the caller stops waiting)."""
     deepspeed = init_deepspeed_rank(rank, world, port)
-    cfg = config(args["stage"], args["dtype"], world)
-    torch.manual_seed(99)
-    model = Net()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    _, client = engine.load_checkpoint(args["load"], tag=None)
-    first = engine.global_steps
-    losses = _steps(engine, first, args["steps"], rank, world, args["dtype"])
+    try:
+        cfg = config(args["stage"], args["dtype"], world)
+        torch.manual_seed(99)
+        model = Net()
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg
+        )
+        _, client = engine.load_checkpoint(args["load"], tag=None)
+        first = engine.global_steps
+        losses = _steps(engine, first, args["steps"], rank, world, args["dtype"])
+    except Exception as exc:  # reported to the caller, which fails (or skips) with it
+        traceback.print_exc()
+        queue.put({"error": f"rank {rank}: {type(exc).__name__}: {exc}"[:2000]})
+        return
     if rank == 0:
         queue.put(
             {
@@ -391,23 +401,50 @@ def _resume_worker(rank: int, world: int, args: dict, port: int, queue) -> None:
         )
 
 
-def resume(load: str, world: int, stage: int, dtype: str, steps: int) -> dict:
-    """DeepSpeed resumes the checkpoint ``load`` on ``world`` ranks: its next losses."""
+def run_ranks(target, world: int, *args: Any, timeout: float = 600) -> Any:
+    """``target(rank, world, *args, queue)`` in ``world`` spawned processes, and what rank 0
+    puts on the queue. A rank that exits with an error before that stops the wait at once (the
+    others are killed) with a RuntimeError naming it and its exit code; a rank 0 that reports
+    nothing in ``timeout`` seconds raises TimeoutError naming the ranks still running. (A bare
+    ``queue.get`` waited its whole 600 s after DeepSpeed refused a config on both ranks.)"""
+    import queue as queue_lib
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = {"load": load, "stage": stage, "dtype": dtype, "steps": steps}
-    port = 29700 + os.getpid() % 200
-    procs = [
-        ctx.Process(target=_resume_worker, args=(r, world, args, port, queue)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                result = queue.get(timeout=1)
+                break
+            except queue_lib.Empty:
+                failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                if failed:
+                    raise RuntimeError(f"rank(s) exited before rank 0 reported: {failed}") from None
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(procs) if p.exitcode is None]
+                    raise TimeoutError(
+                        f"no result from rank 0 in {timeout:.0f} s; running: {running}"
+                    ) from None
+        if not (isinstance(result, dict) and "error" in result):  # else a rank may hang
+            for p in procs:
+                p.join(timeout=120)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
     return result
+
+
+def resume(load: str, world: int, stage: int, dtype: str, steps: int) -> dict:
+    """DeepSpeed resumes the checkpoint ``load`` on ``world`` ranks: its next losses."""
+    args = {"load": load, "stage": stage, "dtype": dtype, "steps": steps}
+    return run_ranks(_resume_worker, world, args, 29700 + os.getpid() % 200)
 
 
 def main() -> None:
@@ -431,7 +468,6 @@ def generate() -> None:
     parser.add_argument("--only", default=None, help="only cases whose name contains this")
     args = parser.parse_args()
     import deepspeed
-    import torch.multiprocessing as mp
 
     args.out.mkdir(parents=True, exist_ok=True)
     expected = args.out / "expected.json"
@@ -448,18 +484,8 @@ def generate() -> None:
         resume_steps=RESUME_STEPS,
         client_state=CLIENT_STATE,
     )
-    ctx = mp.get_context("spawn")
     for port, world in ((29611, 1), (29612, 2)):
-        queue = ctx.Queue()
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, str(args.out), port, args.only, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        results = queue.get()
-        for p in procs:
-            p.join()
+        results = run_ranks(_worker, world, str(args.out), port, args.only, timeout=3600)
         for case in results:
             record["cases"][case["case"]] = case
     expected.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")

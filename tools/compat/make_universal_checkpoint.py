@@ -25,6 +25,7 @@ This script is not imported by ds; it exists so the fixtures can be regenerated 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +35,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+_spec = importlib.util.spec_from_file_location(
+    "make_deepspeed_checkpoints", Path(__file__).with_name("make_deepspeed_checkpoints.py")
+)
+assert _spec is not None and _spec.loader is not None
+maker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(maker)
 
 TRAIN_STEPS, RESUME_STEPS, GLOBAL_BATCH = 3, 3, 8
 IN, HIDDEN, OUT = 6, 10, 3
@@ -127,32 +135,9 @@ def _worker(rank: int, world: int, job: dict, port: int, queue) -> None:
 
 
 def _run(world: int, job: dict, port: int) -> dict:
-    import queue as queue_lib
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, job, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = None
-    for _ in range(600):  # a rank that fails exits: stop waiting for its result
-        try:
-            result = queue.get(timeout=1)
-            break
-        except queue_lib.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                codes = [p.exitcode for p in procs]
-                raise RuntimeError(f"a rank failed: exit codes {codes}") from None
-    if result is None:
-        raise TimeoutError("no result from rank 0 in 600 s")
-    for p in procs:
-        p.join(600)
-        if p.exitcode != 0:
-            raise RuntimeError(f"rank exited with {p.exitcode}")
+    result = maker.run_ranks(_worker, world, job, port)
+    if "error" in result:
+        raise RuntimeError(result["error"])
     return result
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 LATEST = "0.19.8"
@@ -45,6 +48,23 @@ IN, HIDDEN, MID, OUT, GLOBAL_BATCH = (
     _maker.GLOBAL_BATCH,
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run_deepspeed(script: Path, *args: str) -> dict[str, Any]:
+    """``script`` run by real DeepSpeed (``DSREF_PYTHON``, on the CPU) with ``args``: the
+    ``RESULT {json}`` it prints. Skips where DeepSpeed refuses the dtype on this CPU (its CPU
+    accelerator allows fp16 only where oneDNN does it); any other error fails, with its output."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
+    command = [str(DSREF_PYTHON), str(script), *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    error = str(result.get("error", ""))
+    if "is not supported on your device" in error:
+        pytest.skip(f"real DeepSpeed refuses this on this CPU: {error}")
+    assert not error, error + done.stderr[-3000:]
+    return result
 
 
 def expected(version: str = LATEST) -> dict[str, Any]:

@@ -383,16 +383,8 @@ def _ds_leg_body(rank: int, world: int, name: str, out: str, target_world: int) 
 
 
 def _deepspeed_resume(load: Path, world: int, stage: int, dtype: str) -> dict:
-    import json
-    import subprocess
-
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
-    command = [str(fx.DSREF_PYTHON), str(fx.GENERATOR), "resume", str(load)]
-    command += ["--world", str(world), "--stage", str(stage), "--dtype", dtype]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    args = [str(load), "--world", str(world), "--stage", str(stage), "--dtype", dtype]
+    return fx.run_deepspeed(fx.GENERATOR, "resume", *args)
 
 
 # Every stage 1-3 and dtype with a fixture, both ways (fp16 fixtures exist for 2 ranks only).

@@ -18,7 +18,6 @@ shapes, dtypes) and that ds's own reader resumes them on the ds trajectory.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,15 +112,8 @@ def _write_body(
 
 def deepspeed_resume(load: Path, model: str, world: int, stage: int, dtype: str) -> dict:
     """Real DeepSpeed loads ``load`` on ``world`` ranks and trains 2 steps (its RESULT)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
-    command = [str(fx.DSREF_PYTHON), str(RESUMER), str(load), "--model", model]
-    command += ["--world", str(world), "--stage", str(stage), "--dtype", dtype, "--steps", "2"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
-    assert "error" not in result, result["error"] + done.stderr[-3000:]
-    return result
+    args = [str(load), "--model", model, "--world", str(world), "--stage", str(stage)]
+    return fx.run_deepspeed(RESUMER, *args, "--dtype", dtype, "--steps", "2")
 
 
 def check_deepspeed_resumes(

@@ -9,11 +9,10 @@ trajectory."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
+import _deepspeed_fixtures as fx
 import pytest
 import torch
 
@@ -153,7 +152,7 @@ def test_deepspeed_universal_folder_continues_deepspeeds_losses(tmp_path: Path, 
 
 # --- ds -> universal -> DeepSpeed ---------------------------------------------------------------
 
-DSREF_PYTHON = Path("/tmp/dsref/bin/python")
+DSREF_PYTHON = fx.DSREF_PYTHON
 UNIVERSAL_SCRIPT = Path(__file__).parents[3] / "tools" / "compat" / "make_universal_checkpoint.py"
 
 
@@ -170,13 +169,8 @@ def _train_net_save_continue(rank: int, world: int, stage: int, save_dir: str) -
 def deepspeed_resumes_universal(load_dir: Path, world: int, stage: int) -> dict:
     """Real DeepSpeed loads ``load_dir``'s universal folder (``checkpoint.load_universal``) on
     ``world`` ranks at ``stage`` and trains 3 steps: ``{"resumed": losses, "first_step": ...}``."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_BUILD_OPS": "0"}
-    command = [str(DSREF_PYTHON), str(UNIVERSAL_SCRIPT), "resume", str(load_dir)]
-    command += ["--world", str(world), "--stage", str(stage)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    args = [str(load_dir), "--world", str(world), "--stage", str(stage)]
+    return fx.run_deepspeed(UNIVERSAL_SCRIPT, "resume", *args)
 
 
 def make_ds_universal(tmp_path: Path, world: int, stage: int) -> tuple[Path, list[float]]:
