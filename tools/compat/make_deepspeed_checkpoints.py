@@ -426,6 +426,8 @@ def run_ranks(target, world: int, *args: Any, timeout: float = 600) -> Any:
                 failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
                 if failed:
                     raise RuntimeError(f"rank(s) exited before rank 0 reported: {failed}") from None
+                if all(p.exitcode is not None for p in procs) and queue.empty():
+                    raise RuntimeError("every rank exited without reporting") from None
                 if time.monotonic() > deadline:
                     running = [r for r, p in enumerate(procs) if p.exitcode is None]
                     raise TimeoutError(
@@ -434,6 +436,9 @@ def run_ranks(target, world: int, *args: Any, timeout: float = 600) -> Any:
         if not (isinstance(result, dict) and "error" in result):  # else a rank may hang
             for p in procs:
                 p.join(timeout=120)
+            failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if failed:
+                raise RuntimeError(f"rank(s) failed after rank 0 reported: {failed}")
     finally:
         for p in procs:
             if p.exitcode is None:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-import _deepspeed_fixtures as fx
 import pytest
 import torch
 
 from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _deepspeed_fixtures as fx
 
 FIXTURES = Path(__file__).parent / "fixtures" / "universal_0.19.8"
 GLOBAL, STEPS, RTOL = 8, 3, 1e-5
