@@ -7,8 +7,10 @@ path, so the import runs there too.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,13 @@ def parameter_error(model: nn.Module, reference: dict[str, torch.Tensor]) -> flo
             err = (a - b).norm().item() / max(b.norm().item(), 1e-12)
         worst = max(worst, err) if math.isfinite(err) else math.inf
     return worst
+
+
+def drop_cached_pages(path: Path) -> None:
+    """Evict ``path``'s pages from the page cache (fsynced first, so they are clean)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

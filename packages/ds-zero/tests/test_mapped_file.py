@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -14,6 +15,9 @@ import pytest
 
 from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, spans_crc
 from ds_zero._read_checks import _AHEAD_JOB, HelpedPool, ahead_jobs
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ds_zero_testing import drop_cached_pages
 
 
 @pytest.fixture
@@ -103,12 +107,7 @@ def test_the_page_cache_probe_tells_cached_bytes_from_dropped_ones(
     offsets = [0, len(data) // 2, len(data) - 1]
     if not in_page_cache(path, offsets):
         pytest.skip("this platform or filesystem cannot tell (no RWF_NOWAIT reads)")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached_pages(path)
     assert not in_page_cache(path, offsets)
     assert not in_page_cache(path, offsets)  # probing read nothing in
     assert not in_page_cache(path.with_name("absent.pt"), [0])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,9 @@ import torch
 
 from ds_zero import _readahead
 from ds_zero._readahead import _MADVISE, _page_ranges, _sampled_pages, read_ahead
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ds_zero_testing import drop_cached_pages
 
 
 def test_ranges_are_page_aligned_sorted_and_merged() -> None:
@@ -54,12 +56,7 @@ def test_advising_a_mapped_file_reads_its_pages_in(tmp_path: Path) -> None:
     saved = {"a/param": torch.arange(4 << 20, dtype=torch.float32), "a/exp_avg": torch.ones(7)}
     path = tmp_path / "shard.pt"
     torch.save(saved, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # clean pages can be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached_pages(path)
     mapped = torch.load(path, mmap=True, weights_only=True)
     ((start, stop),) = _page_ranges([mapped["a/param"]])
     resident, pages = _resident_pages(start, stop)
@@ -106,12 +103,7 @@ def test_pages_in_memory_are_not_advised_again(
     read_ahead(warm.values())
     assert len(advised) == 1
     monkeypatch.undo()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached_pages(path)
     cold = torch.load(path, mmap=True, weights_only=True)
     ((start, stop),) = _page_ranges([cold["a/param"]])
     assert _resident_pages(start, stop)[0] < (stop - start) // mmap.PAGESIZE
