@@ -476,6 +476,60 @@ def test_loading_shards_makes_each_state_buffer_once() -> None:
     assert made == 2 * masters  # exp_avg and exp_avg_sq, once each
 
 
+def _settling_body(rank: int, world_size: int) -> dict:
+    """A stage-3 load from a checkpoint still being verified (a ``SettlingLookup``) reads every
+    piece before the verdict and writes nothing until it: the checksums run beside the reading,
+    and a refused checkpoint leaves the model and the optimizer as they were."""
+    from ds_zero._checkpoint import _load_shards
+    from ds_zero._manifest import CheckpointError, SettlingLookup
+
+    model, zero = _new_stage3(None, rank, seed=0)
+    zero.backward(model(next(micro_batches(global_batches(1, ROWS)[0], rank, world_size, 1))))
+    zero.step()
+    lookup = _lookup_from(zero.checkpoint_shards())
+    calls: list[str] = []
+
+    def counted(name: str, start: int, stop: int) -> dict:
+        calls.append(name)
+        return lookup(name, start, stop)
+
+    out: dict = {}
+    for refused in (False, True):
+        _, zero2 = _new_stage3(None, rank, seed=7)
+        before = [m.clone() for m in zero2.masters]
+        calls.clear()
+
+        def settle(
+            failure: BaseException | None, zero2=zero2, before=before, refused=refused
+        ) -> None:
+            out.setdefault("read_before_verdict", []).append(len(calls))
+            untouched = all(torch.equal(m, b) for m, b in zip(zero2.masters, before))
+            out.setdefault("untouched_at_verdict", []).append(
+                untouched and not zero2.optimizer.state
+            )
+            if refused:
+                raise CheckpointError("zero_shards_rank00000.pt corrupted")
+
+        try:
+            _load_shards(zero2, SettlingLookup(counted, settle))
+        except CheckpointError:
+            out["refused_untouched"] = (
+                all(torch.equal(m, b) for m, b in zip(zero2.masters, before))
+                and not zero2.optimizer.state
+            )
+        else:
+            out["loaded"] = all(torch.equal(a, b) for a, b in zip(zero2.masters, zero.masters))
+    out["pieces"] = sum(1 for _ in model.parameters())
+    return out
+
+
+def test_a_settling_load_reads_everything_before_the_verdict_and_writes_nothing() -> None:
+    ((out),) = run_on_ranks(_settling_body, 1)
+    assert out["read_before_verdict"] == [out["pieces"]] * 2  # every piece read before it
+    assert out["untouched_at_verdict"] == [True, True]
+    assert out["loaded"] and out["refused_untouched"]
+
+
 def _state_dict_body(rank: int, world_size: int) -> float:
     batches = global_batches(4, ROWS)
     model, zero = _new_stage3(None, rank, seed=0)

@@ -376,10 +376,14 @@ def _load_shards(optimizer: Any, lookup: ShardLookup) -> None:
             f"a {type(optimizer).__name__} cannot load a sharded checkpoint: pass a ZeRO "
             "optimizer (or an object with checkpoint_shards() and load_checkpoint_shards(lookup))"
         )
-    from ds_zero._optimizer import ZeroOptimizer  # the layout's module imports this one
+    from ds_zero._optimizer import ZeroOptimizer  # the layouts' modules import this one
+    from ds_zero._stage3_optimizer import Stage3Optimizer
 
-    if isinstance(lookup, SettlingLookup) and type(optimizer) is not ZeroOptimizer:
-        lookup.settle()  # only the flat layout's reader settles between reading and writing
+    if isinstance(lookup, SettlingLookup) and type(optimizer) not in (
+        ZeroOptimizer,
+        Stage3Optimizer,
+    ):
+        lookup.settle()  # only ds-zero's own layouts settle between reading and writing
     optimizer.load_checkpoint_shards(lookup)
     if isinstance(lookup, SettlingLookup):
         lookup.settle()  # a no-op once settled

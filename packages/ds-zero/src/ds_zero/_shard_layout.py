@@ -81,7 +81,7 @@ from ds_zero._partitioned import shard_bounds
 from ds_zero._residency import PartitionedResidency
 from ds_zero._setup import dist_rank, trainable_groups
 from ds_zero._shard_reduce import ShardGradReducer, Slot
-from ds_zero._shards import ShardLookup, TensorShard
+from ds_zero._shards import ShardLookup, TensorShard, read_then_settle
 from ds_zero._step_slices import step_in_slices
 from ds_zero._streams import CollectiveQueue
 from ds_zero._zeropp import quantized_reduce_scatter
@@ -459,7 +459,35 @@ class ShardLayout:
         self.reducer.zero()
 
     def _load_checkpoint_shards(self, lookup: ShardLookup, global_steps: int) -> None:
+        # Read into tensors of its own, then the verdict, then write: the checksums of a
+        # checkpoint still being verified run beside the reading (ds-zero's [Note: verification
+        # overlapped with reading]).
+        writes, states = read_then_settle(lookup, lambda: self._read_checkpoint_shards(lookup))
+        with torch.no_grad():
+            for target, values in writes:
+                target.copy_(values)
+            for master, state in zip(self.masters, states):
+                old = self.optimizer.state.pop(master, {})
+                if not state:
+                    continue
+                scalars = {k: v for k, v in old.items() if not _elementwise(v, master)}
+                if not scalars:
+                    scalars = {"step": torch.tensor(float(global_steps))}
+                self.optimizer.state[master] = {**scalars, **state}
+            self._publish()
+            trainable = {id(p) for p in self._slots_params()}
+            frozen = [p for p in self.module.parameters() if id(p) not in trainable]
+            self.partitioner.write_full_from_shards([p for p in frozen if p.ds_persist])
+
+    def _read_checkpoint_shards(
+        self, lookup: ShardLookup
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+        """What a load writes, read from ``lookup`` without writing anything the model or the
+        optimizer uses: ``(target, values)`` pairs for the masters' ranges and the frozen
+        parameters' shards (the lookup's tensors, copied after the verdict), and per master the
+        elementwise optimizer state, assembled in new buffers."""
         trainable = {id(p) for p in self._slots_params()}
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         states: list[dict[str, torch.Tensor]] = [{} for _ in self.masters]
         with torch.no_grad():
             for name, p in self.module.named_parameters():
@@ -471,14 +499,14 @@ class ShardLayout:
                         found = lookup(name, start, stop)
                     except (KeyError, ValueError):  # the model's own weight, saved elsewhere
                         continue
-                    p.ds_tensor.narrow(0, 0, n).copy_(found["param"])
+                    writes.append((p.ds_tensor.narrow(0, 0, n), found["param"]))
                     continue
                 found = lookup(name, start, stop)
                 if "param" not in found:
                     raise KeyError(f"the checkpoint has no 'param' values for {name!r}")
                 slot = self._slots[id(p)]
                 master = self.masters[slot.index]
-                master.narrow(0, slot.offset, n).copy_(found["param"])
+                writes.append((master.narrow(0, slot.offset, n), found["param"]))
                 for key, value in found.items():
                     if key != "param":
                         # One buffer a master and key, made on its first piece (a setdefault
@@ -487,17 +515,7 @@ class ShardLayout:
                         if target is None:
                             target = states[slot.index][key] = torch.zeros_like(master)
                         target.narrow(0, slot.offset, n).copy_(value)
-            for master, state in zip(self.masters, states):
-                old = self.optimizer.state.pop(master, {})
-                if not state:
-                    continue
-                scalars = {k: v for k, v in old.items() if not _elementwise(v, master)}
-                if not scalars:
-                    scalars = {"step": torch.tensor(float(global_steps))}
-                self.optimizer.state[master] = {**scalars, **state}
-            self._publish()
-            frozen = [p for p in self.module.parameters() if id(p) not in trainable]
-            self.partitioner.write_full_from_shards([p for p in frozen if p.ds_persist])
+        return writes, states
 
     # --- memory ----------------------------------------------------------------------------------
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-__all__ = ["ShardLookup", "TensorShard"]
+__all__ = ["ShardLookup", "TensorShard", "read_then_settle"]
+
+_Read = TypeVar("_Read")
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,22 @@ class TensorShard:
 # lookup(name, start, stop) -> {"param": fp32 values, "exp_avg": ..., ...} for that range, read
 # from a checkpoint; keys missing from the checkpoint are absent from the mapping.
 ShardLookup = Callable[[str, int, int], Mapping[str, torch.Tensor]]
+
+
+def read_then_settle(lookup: ShardLookup, read: Callable[[], _Read]) -> _Read:
+    """``read()`` (which looks values up into tensors of the caller's own, writing nothing the
+    model or optimizer uses), then the lookup's verdict when it has one (a ds-zero
+    ``SettlingLookup``, whose checkpoint is still being verified; a collective), so the
+    checksums run beside the reading (ds-zero's [Note: verification overlapped with reading]).
+    A failure to read is told to every rank through the verdict, then raised."""
+    settle = getattr(lookup, "settle", None)
+    try:
+        found = read()
+    except Exception as exc:
+        if settle is None:
+            raise
+        settle(exc)  # every rank hears of it; raises
+        raise
+    if settle is not None:
+        settle()
+    return found

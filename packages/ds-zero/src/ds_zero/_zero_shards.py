@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_zero._manifest import CheckpointError
-from ds_zero._shards import ShardLookup, TensorShard
+from ds_zero._shards import ShardLookup, TensorShard, read_then_settle
 
 if TYPE_CHECKING:
     from ds_zero._flat_layout import FlatLayout
@@ -126,16 +126,7 @@ def zero_load_checkpoint_shards(zero: FlatLayout, lookup: ShardLookup) -> None:
     :class:`~ds_zero._manifest.SettlingLookup`, whose checkpoint is still being verified) is
     settled before any value is written (see [Note: verification overlapped with reading])."""
     _check_supported(zero, lookup)
-    settle = getattr(lookup, "settle", None)
-    try:
-        masters, states, frozen = _read_shards(zero, lookup)
-    except Exception as exc:
-        if settle is None:
-            raise
-        settle(exc)  # every rank hears of it; raises
-        raise
-    if settle is not None:
-        settle()
+    masters, states, frozen = read_then_settle(lookup, lambda: _read_shards(zero, lookup))
     with torch.no_grad():
         for master, ranges in zip(zero.masters, masters):
             if ranges is not None:
