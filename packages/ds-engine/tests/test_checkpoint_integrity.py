@@ -654,3 +654,108 @@ def test_a_shard_replaced_after_it_was_hashed_is_checked_again(
         assert all(f"{name} corrupted" in got for got in result), result
     else:
         assert result == ["loaded", "loaded"]
+
+
+# --- the model file hashed from the disk; small files on the disk read on a thread ----------------
+
+
+def _model_file_body(rank: int, world_size: int, *, root: str, cold_small: bool) -> list:
+    """A weights-only ZeRO-2 load (it reads the model file, and no zero file) with a core to
+    spare, the verification's choices recorded. ``cold_small``: the small files are said to
+    be on the disk (they go to the checksum threads); otherwise every file counts as big (the
+    model file, which the loader reads whole, is mapped and hashed from the disk at once)."""
+    from ds_zero import CheckpointError, _integrity
+
+    submit, wait = _integrity.PendingVerification._submit, _integrity.PendingVerification.wait
+    budget, on_disk, spare_core = _integrity._HASH_HERE, _integrity.on_disk, _integrity.spare_core
+    run_here: list[bool] = []
+    mapped: list[list[str]] = []
+
+    def recording_submit(self, name, record, here=False):
+        run_here.append(here)
+        return submit(self, name, record, here)
+
+    def recording_wait(self, problems=()):
+        if self._verdict is None:
+            mapped.append(sorted(self._mapped))
+        return wait(self, problems)
+
+    _integrity.PendingVerification._submit = recording_submit
+    _integrity.PendingVerification.wait = recording_wait
+    _integrity.spare_core = lambda: True
+    if cold_small:
+        _integrity.on_disk = lambda path: True
+    else:
+        _integrity._HASH_HERE = 0
+    try:
+        engine = _engine(seed=5)
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        try:
+            engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+            result = "loaded"
+        except CheckpointError as exc:
+            result = str(exc)
+            for n, p in engine.module.named_parameters():
+                assert torch.equal(p, before[n]), f"{n} changed before the check refused"
+    finally:
+        _integrity.PendingVerification._submit = submit
+        _integrity.PendingVerification.wait = wait
+        _integrity._HASH_HERE, _integrity.on_disk = budget, on_disk
+        _integrity.spare_core = spare_core
+    return [result, run_here, mapped]
+
+
+@pytest.fixture(scope="module")
+def saved_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("integrity1") / "ckpt"
+    run_on_ranks(_save_body, 1, root=str(root), timeout=300)
+    return root
+
+
+def test_a_model_file_hashed_from_the_disk_is_checked_as_one_hashed_as_read(
+    saved_one_rank: Path, tmp_path: Path
+) -> None:
+    """The model file, which the loader reads whole and in order, is mapped and hashed from the
+    disk as the check starts, cold or warm (ds-zero's [Note: hashing ahead of the loader]):
+    a flipped tensor byte is refused naming the file and the tensor, a flipped byte between
+    the tensors naming the file, a truncated file as truncated; an intact one loads."""
+    from ds_zero._read_checks import gap_spans
+
+    name = "mp_rank_00_model_states.pt"
+    manifest = json.loads((saved_one_rank / TAG / "ds_manifest.json").read_text())
+    entries = manifest["files"][name]["tensors"]
+    tensor = max(entries, key=lambda n: entries[n]["nbytes"])
+    gap = gap_spans(entries, manifest["files"][name]["bytes"])[0]  # the pickle
+    cases: dict[str, tuple[Callable[[Path], object], list[str]]] = {
+        "tensor": (
+            lambda p: _flip_at(p, entries[tensor]["offset"] + 3),
+            [f"{name} corrupted", repr(tensor)],
+        ),
+        "gap": (lambda p: _flip_at(p, gap[0] + gap[1] // 2), [f"{name} corrupted"]),
+        "truncated": (_truncate, [f"{name} truncated"]),
+        "none": (lambda p: None, ["loaded"]),
+    }
+    for kind, (damage, expected) in cases.items():
+        root = tmp_path / kind
+        shutil.copytree(saved_one_rank, root)
+        damage(root / TAG / name)
+        ((result, _, mapped),) = run_on_ranks(
+            _model_file_body, 1, root=str(root), cold_small=False, timeout=300
+        )
+        assert all(w in result for w in expected), (kind, result)
+        assert mapped == [[name]], (kind, mapped)  # hashed from the disk, not as read
+
+
+def test_small_files_on_the_disk_are_read_on_a_checksum_thread(
+    saved_one_rank: Path, tmp_path: Path
+) -> None:
+    """Small files said to be on the disk are hashed on the checksum threads (the loading
+    thread would wait for the disk), and are checked all the same."""
+    root = tmp_path / "c"
+    shutil.copytree(saved_one_rank, root)
+    _flip(root / TAG / "rng_state_rank00000.pt")
+    ((result, run_here, _),) = run_on_ranks(
+        _model_file_body, 1, root=str(root), cold_small=True, timeout=300
+    )
+    assert "rng_state_rank00000.pt corrupted" in result, result
+    assert run_here and not any(run_here), run_here

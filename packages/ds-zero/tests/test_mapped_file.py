@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, spans_crc
+from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, on_disk, spans_crc
 from ds_zero._read_checks import _AHEAD_JOB, HelpedPool, ahead_jobs
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -111,6 +111,13 @@ def test_the_page_cache_probe_tells_cached_bytes_from_dropped_ones(
     assert not in_page_cache(path, offsets)
     assert not in_page_cache(path, offsets)  # probing read nothing in
     assert not in_page_cache(path.with_name("absent.pt"), [0])
+    # A probe that misses may start the kernel's read-ahead, whose pages a drop leaves while
+    # they are read: read the file whole first, so that none is in flight.
+    path.read_bytes()
+    assert not on_disk(path)
+    drop_cached_pages(path)
+    assert on_disk(path)  # a dropped file's first byte is known to be on the disk
+    assert not on_disk(path.with_name("absent.pt"))  # nothing known: not said to be on disk
 
 
 def test_a_file_hashed_ahead_is_split_into_few_jobs() -> None:

@@ -61,6 +61,7 @@ __all__ = [
     "crc_ranges",
     "file_identity",
     "in_page_cache",
+    "on_disk",
     "spans_crc",
     "spare_core",
     "threads",
@@ -137,6 +138,27 @@ def in_page_cache(path: Path, offsets: Sequence[int]) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def on_disk(path: Path) -> bool:
+    """Whether the first byte of ``path`` is known to be on the disk only, not in the page cache
+    (False when it is cached, or where the platform cannot tell)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.preadv(fd, [bytearray(1)], 0, flag)
+    except BlockingIOError:  # on the disk
+        return True
+    except OSError:  # EOPNOTSUPP and the like: cannot tell
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
