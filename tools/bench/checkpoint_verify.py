@@ -50,10 +50,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-import torch
-
 
 def _engine(params_m: float, width: int, stage: int):
+    import torch  # here, not at the top: a refused option is told without importing torch
+
     import ds_engine
 
     layers = max(1, round(params_m * 1e6 / (width * width)))
@@ -281,6 +281,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _measure_here(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], float]:
     """Each setting's measurement in this process, and the parameter count."""
+    import torch
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -373,6 +375,8 @@ def main() -> None:
         else f"{args.processes} processes of {args.rounds} alternating rounds each, the median "
         "over the processes"
     )
+    import torch
+
     print(
         f"\n{params / 1e6:.1f}M parameters, {os.cpu_count()} CPUs, torch threads "
         f"{torch.get_num_threads()}, {'cold' if args.cold else 'warm'} page cache, {where}; "
