@@ -120,45 +120,42 @@ def crc_range(path: Path, start: int, length: int) -> int:
             return crc32(part)
 
 
-def in_page_cache(path: Path, offsets: Sequence[int]) -> bool:
-    """Whether the bytes of ``path`` at ``offsets`` are all in the page cache (a read of one
-    byte each with ``RWF_NOWAIT``, which fails rather than wait for the disk). False where the
-    platform cannot tell, or the file cannot be read."""
+def _page_cache_state(path: Path, offsets: Sequence[int]) -> bool | None:
+    """True when the bytes of ``path`` at ``offsets`` are all in the page cache, False when one
+    is known to be on the disk only, None where that cannot be told (no ``RWF_NOWAIT`` reads,
+    the file unreadable or shorter). One byte is read at each offset with ``RWF_NOWAIT``, which
+    fails rather than wait for the disk."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None or not hasattr(os, "preadv"):
-        return False
+        return None
     byte = bytearray(1)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return False
+        return None
     try:
-        return all(os.preadv(fd, [byte], at, flag) == 1 for at in offsets)
-    except OSError:  # BlockingIOError: on the disk; EOPNOTSUPP: cannot tell
+        for at in offsets:
+            if os.preadv(fd, [byte], at, flag) != 1:
+                return None
+    except BlockingIOError:  # on the disk
         return False
+    except OSError:  # EOPNOTSUPP and the like
+        return None
     finally:
         os.close(fd)
+    return True
+
+
+def in_page_cache(path: Path, offsets: Sequence[int]) -> bool:
+    """Whether the bytes of ``path`` at ``offsets`` are all known to be in the page cache (False
+    where the platform cannot tell, or the file cannot be read)."""
+    return _page_cache_state(path, offsets) is True
 
 
 def on_disk(path: Path) -> bool:
     """Whether the first byte of ``path`` is known to be on the disk only, not in the page cache
     (False when it is cached, or where the platform cannot tell)."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or not hasattr(os, "preadv"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        os.preadv(fd, [bytearray(1)], 0, flag)
-    except BlockingIOError:  # on the disk
-        return True
-    except OSError:  # EOPNOTSUPP and the like: cannot tell
-        return False
-    finally:
-        os.close(fd)
-    return False
+    return _page_cache_state(path, [0]) is False
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:

@@ -459,10 +459,15 @@ class PendingVerification:
         self._pool = HelpedPool(self._threads)
         spare = spare_core()
         after_read = set(loaded) if not spare else set()
+        # Files hashed once the loader has them (or ahead of it, for a shard file).
+        later = {
+            n
+            for n in mine
+            if overlap and (_is_shard_file(n) or n in after_read) and fusable(files[n])
+        }
         here, budget = [], _HASH_HERE  # files up to this many bytes in all: on this thread
         for name in mine:
-            later = overlap and (_is_shard_file(name) or name in after_read)
-            if not (later and fusable(files[name])) and int(files[name]["bytes"]) <= budget:
+            if name not in later and int(files[name]["bytes"]) <= budget:
                 here.append(name)
                 budget -= int(files[name]["bytes"])
         # Small files on the disk (a checkpoint not read since it was written, or evicted) go
@@ -474,10 +479,10 @@ class PendingVerification:
         for name in here if cold else ():
             self._jobs[name] = self._submit(name, files[name])
         for name in mine:
-            shard = _is_shard_file(name)
             if name in here:
                 continue
-            if overlap and (shard or name in after_read) and fusable(files[name]):
+            if name in later:
+                shard = _is_shard_file(name)
                 if not (shard and spare and ahead and self._hash_from_file(name, files[name])):
                     self._deferred.append(name)
             elif overlap and name in loaded and fusable(files[name]):

@@ -462,7 +462,10 @@ class ShardLayout:
         # Read into tensors of its own, then the verdict, then write: the checksums of a
         # checkpoint still being verified run beside the reading (ds-zero's [Note: verification
         # overlapped with reading]).
-        writes, states = read_then_settle(lookup, lambda: self._read_checkpoint_shards(lookup))
+        trainable = {id(p) for p in self._slots_params()}
+        writes, states = read_then_settle(
+            lookup, lambda: self._read_checkpoint_shards(lookup, trainable)
+        )
         with torch.no_grad():
             for target, values in writes:
                 target.copy_(values)
@@ -475,18 +478,17 @@ class ShardLayout:
                     scalars = {"step": torch.tensor(float(global_steps))}
                 self.optimizer.state[master] = {**scalars, **state}
             self._publish()
-            trainable = {id(p) for p in self._slots_params()}
             frozen = [p for p in self.module.parameters() if id(p) not in trainable]
             self.partitioner.write_full_from_shards([p for p in frozen if p.ds_persist])
 
     def _read_checkpoint_shards(
-        self, lookup: ShardLookup
+        self, lookup: ShardLookup, trainable: set[int]
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[dict[str, torch.Tensor]]]:
         """What a load writes, read from ``lookup`` without writing anything the model or the
         optimizer uses: ``(target, values)`` pairs for the masters' ranges and the frozen
         parameters' shards (the lookup's tensors, copied after the verdict), and per master the
-        elementwise optimizer state, assembled in new buffers."""
-        trainable = {id(p) for p in self._slots_params()}
+        elementwise optimizer state, assembled in new buffers. ``trainable``: the ``id`` of
+        each parameter with a master slot."""
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         states: list[dict[str, torch.Tensor]] = [{} for _ in self.masters]
         with torch.no_grad():
