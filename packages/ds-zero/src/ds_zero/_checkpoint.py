@@ -69,11 +69,9 @@ from ds_zero._manifest import (
 from ds_zero._ranks import agree, ranks_in
 from ds_zero._sealed import (
     CheckpointError,
-    check_seal,
     load_file,
-    read_json,
-    seal,
-    write_json_atomic,
+    read_sealed,
+    write_sealed,
 )
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero.api import ConfigError
@@ -575,7 +573,7 @@ def _save_per_rank(
             "files": [_rank_file(r) for r in range(optimizer.world_size)],
             "layout": state["layout"],
         }
-        write_json_atomic(seal(metadata), partial / _METADATA)
+        write_sealed(metadata, partial / _METADATA)
         replace_dir(partial, target)
     _barrier(pg)
     return target
@@ -715,8 +713,7 @@ def load_sharded_checkpoint(
 
 
 def _load_per_rank(source: Path, optimizer: ZeroOptimizer) -> dict[str, Any] | None:
-    metadata = read_json(source / _METADATA, "checkpoint metadata")
-    check_seal(metadata, source / _METADATA)
+    metadata = read_sealed(source / _METADATA, "checkpoint metadata")
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{source} is not a ds-zero sharded checkpoint")
     same = metadata["num_shards"] == optimizer.num_shards and metadata["layout"] == [

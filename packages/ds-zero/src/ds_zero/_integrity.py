@@ -9,7 +9,7 @@ A finished checkpoint directory holds ``ds_manifest.json``::
                    "module/tok.weight": {"offset": 1344, "nbytes": 8192, "shape": [64, 32],
                                          "dtype": "torch.float32", "crc32": 99121}, ...}},
                "zero/zero_shards_rank00000.pt": {...}, "rng_state_rank00001.pt": {...}, ...},
-     "manifest_crc32": 1234}
+     "manifest_seal": 5678, "manifest_crc32": 1234}
 
 Every file under the directory is listed (model states, optimizer shards, rng, scheduler and
 client state, layer and expert files, the nested ``zero/manifest.json``), so a file that is
@@ -20,7 +20,8 @@ the saved object), the byte offset of its storage in the file, its shape, dtype 
 its bytes. Loading checks whole files first (cheap: one pass, shared out among the ranks); only
 when a file fails are its tensors checked one by one, so the error names the tensor whose bytes
 changed, or says the pickled non-tensor data (counters such as ``global_steps``, the client
-state) changed. ``manifest_crc32`` seals the manifest itself: an edited manifest is refused.
+state) changed. ``manifest_seal`` and ``manifest_crc32`` seal the manifest itself: an edited
+manifest is refused (see [Note: the manifest's two seals]).
 
 Verification is collective: each rank checks a share of the files, every rank gets every rank's
 problems (one ``all_gather_object``) and all raise the same :class:`CheckpointError`, so no
@@ -126,9 +127,10 @@ from ds_zero._sealed import (
     check_seal,
     load_file,
     read_json,
+    read_sealed,
     read_sealed_manifest,
     seal,
-    write_json_atomic,
+    write_sealed,
 )
 
 __all__ = [
@@ -218,7 +220,7 @@ def file_record(path: Path, *, tensors: bool = True) -> dict[str, Any]:
 def is_complete(directory: Path, manifest_name: str = DIRECTORY_MANIFEST) -> bool:
     """Whether ``directory`` holds a finished save: its manifest present, whole and sealed."""
     try:
-        check_seal(read_json(directory / manifest_name, "manifest"), directory / manifest_name)
+        read_sealed(directory / manifest_name, "manifest")
     except CheckpointError:
         return False
     return True
@@ -378,10 +380,12 @@ def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
     else:
         files = mine
     if rank == 0:
-        manifest = seal(
-            {"format": DIRECTORY_FORMAT, "chunk": CHUNK, "files": dict(sorted(files.items()))}
-        )
-        write_json_atomic(manifest, directory / DIRECTORY_MANIFEST)
+        manifest = {
+            "format": DIRECTORY_FORMAT,
+            "chunk": CHUNK,
+            "files": dict(sorted(files.items())),
+        }
+        write_sealed(manifest, directory / DIRECTORY_MANIFEST)
 
 
 def _unusable(path: Path, problems: Sequence[str]) -> str:

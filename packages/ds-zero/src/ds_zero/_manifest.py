@@ -42,8 +42,7 @@ from ds_zero._sealed import (
     CheckpointError,
     load_file,
     read_sealed_manifest,
-    seal,
-    write_json_atomic,
+    write_sealed,
 )
 from ds_zero._shards import ShardLookup
 
@@ -382,9 +381,9 @@ def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:
 
 
 def write_manifest(manifest: Mapping[str, Any], path: Path) -> None:
-    """Write ``manifest`` sealed (see :func:`~ds_zero._sealed.seal`) as JSON, fsynced,
-    through a rename."""
-    write_json_atomic(seal(manifest), path)
+    """Write ``manifest`` sealed (see [Note: the manifest's two seals]), fsynced, through a
+    rename."""
+    write_sealed(manifest, path)
 
 
 def binding_problems(
