@@ -548,8 +548,16 @@ def _hash_ahead_load_body(
     """:func:`_stage3_load_body` with the spare core and the page cache's answer forced (shard
     files hashed from the disk as the check starts, or from the loader's tensors).
     ``replace``: once the shard file is hashed, and before the verdict, it is replaced by this
-    file."""
-    from ds_zero import _integrity
+    file. A shard file's gaps are never left for the verdict: it is mapped only when cached,
+    and then a thread hashes them."""
+    from ds_zero import _integrity, _read_checks
+
+    defer = _read_checks.HelpedPool.defer
+    deferred: list[str] = []
+
+    def recording_defer(self, fn, *args):
+        deferred.append(Path(getattr(getattr(fn, "__self__", None), "path", "")).name)
+        return defer(self, fn, *args)
 
     wait = _integrity.PendingVerification.wait
     spare_core, in_page_cache = _integrity.spare_core, _integrity.in_page_cache
@@ -570,12 +578,15 @@ def _hash_ahead_load_body(
     _integrity.spare_core = lambda: spare
     _integrity.in_page_cache = lambda path, offsets: cached
     _integrity.PendingVerification.wait = replacing_wait
+    _read_checks.HelpedPool.defer = recording_defer
     try:
         results = _stage3_load_body(rank, world_size, root=root)
     finally:
         _integrity.spare_core, _integrity.in_page_cache = spare_core, in_page_cache
         _integrity.PendingVerification.wait = wait
+        _read_checks.HelpedPool.defer = defer
     assert hashed_ahead and set(hashed_ahead) == {spare and cached}, hashed_ahead
+    assert Path(name).name not in deferred, deferred
     return results
 
 
