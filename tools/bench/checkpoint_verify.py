@@ -260,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--phases",
         action="store_true",
-        help="also time each load phase (median seconds per arm; adds a little overhead)",
+        help="also time each load phase (median milliseconds per arm; adds a little overhead)",
     )
     parser.add_argument(
         "--no-optimizer-states",
@@ -410,9 +410,9 @@ def main() -> None:
 
 
 def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, list[float]]) -> None:
-    """The median seconds of each phase per arm (a phase first met in a later load counts 0
+    """The median milliseconds of each phase per arm (a phase first met in a later load counts 0
     in the earlier ones)."""
-    print("| phase (median s) | without verify | with verify |")
+    print("| phase (median ms) | without verify | with verify |")
     print("|---|---|---|")
     labels = dict.fromkeys(k for arm in spans.values() for k in arm)
     for label in labels:
@@ -420,11 +420,11 @@ def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, lis
         for arm in _ARMS:
             values = spans[arm].get(label, [])
             values = [0.0] * (len(times[arm]) - len(values)) + values
-            row.append(f"{statistics.median(values):.3f}" if values else "-")
+            row.append(f"{statistics.median(values) * 1e3:.2f}" if values else "-")
         print(f"| {label} | {row[0]} | {row[1]} |")
     print(
-        f"| whole load | {statistics.median(times['without verify']):.3f} | "
-        f"{statistics.median(times['with verify']):.3f} |"
+        f"| whole load | {statistics.median(times['without verify']) * 1e3:.2f} | "
+        f"{statistics.median(times['with verify']) * 1e3:.2f} |"
     )
 
 
