@@ -533,6 +533,24 @@ def test_the_loaders_reads_are_checked_as_read(saved_stage3: Path, tmp_path: Pat
             assert all(w in got for w in wanted), (kind, got)
 
 
+def test_the_optimizers_scalars_are_checked_by_the_full_load_only(
+    saved_stage3: Path, tmp_path: Path
+) -> None:
+    """A ZeRO-3 weights-only load reads the zero manifest and the fp32 masters, not the
+    optimizer's scalars: a flipped byte of ``zero/scalars.pt`` is refused by the full load,
+    which reads it, and not by the weights-only load, which loads unchanged values (ds-zero's
+    [Note: a path verifies what it uses])."""
+    name = "zero/scalars.pt"
+    root = tmp_path / "c"
+    shutil.copytree(saved_stage3, root)
+    _flip(root / TAG / name)
+    results = run_on_ranks(_stage3_load_body, 2, root=str(root), timeout=300)
+    assert results[0] == results[1]  # the same verdict on every rank
+    full, weights_only = results[0]
+    assert f"{name} corrupted" in full, full
+    assert weights_only == "loaded", weights_only
+
+
 # --- hashing ahead of the loader (ds-zero's [Note: hashing ahead of the loader]) -----------------
 
 
@@ -755,6 +773,39 @@ def test_a_model_file_hashed_from_the_disk_is_checked_as_one_hashed_as_read(
         )
         assert all(w in result for w in expected), (kind, result)
         assert mapped == [[name]], (kind, mapped)  # hashed from the disk, not as read
+
+
+def _hashed_files_body(rank: int, world_size: int, *, root: str) -> list[str]:
+    """The files a weights-only ZeRO-2 load hashes apart (``_submit``), in the page cache."""
+    from ds_zero import _integrity
+
+    submit = _integrity.PendingVerification._submit
+    hashed: list[str] = []
+
+    def recording_submit(self, name, record, here=False):
+        hashed.append(name)
+        return submit(self, name, record, here)
+
+    _integrity.PendingVerification._submit = recording_submit
+    try:
+        engine = _engine(seed=5)
+        engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+        engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)  # warm, recorded
+        hashed.clear()
+        engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+    finally:
+        _integrity.PendingVerification._submit = submit
+    return hashed
+
+
+def test_a_weights_only_zero2_load_hashes_no_zero_file(saved_one_rank: Path) -> None:
+    """Without the optimizer's states ZeRO-1/2 read no file of the zero folder, so none is
+    hashed, not even the small ones hashed on the loading thread (they wait for the verdict,
+    by which time the load has said it skips them; ds-zero's [Note: a path verifies what it
+    uses]); the other small files are."""
+    (hashed,) = run_on_ranks(_hashed_files_body, 1, root=str(saved_one_rank), timeout=300)
+    assert "rng_state_rank00000.pt" in hashed, hashed
+    assert not [name for name in hashed if name.startswith("zero/")], hashed
 
 
 def test_small_files_on_the_disk_are_read_on_a_checksum_thread(

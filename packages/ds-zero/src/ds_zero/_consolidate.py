@@ -194,8 +194,10 @@ def iter_fp32_tensors(
         opened: dict[str, Mapping[str, Any]] = {}  # each shard file parsed once
         manifest = verify_checkpoint(source, files=False, pending=verified, opened=opened)
         reader = ShardReader(source, manifest, opened, verified.hash_loaded)
-        for file, stored in reader.open(("param",)).items():
+        read = reader.open(("param",))
+        for file, stored in read.items():
             verified.hash_loaded(source / file, stored)
+        verified.reads_only(source, {MANIFEST, *read})  # not the optimizer's scalars
         _, tensors = checkpoint_tensors(source, manifest, reader=reader)
         return tensors
     manifest = verify_checkpoint(source, files=False) if verified else _verified(source)

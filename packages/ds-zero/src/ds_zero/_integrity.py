@@ -48,7 +48,11 @@ headers and directory: ``gaps_crc32``, see [Note: verifying what the loader read
 manifest without ``gaps_crc32`` has the chunks holding the file's non-tensor bytes checked by
 their chunk CRC-32s instead. Other files are checked whole. A ZeRO-1/2 load without the
 optimizer's states rebuilds the masters from the weights and reads no ``zero/`` file:
-:meth:`PendingVerification.skip` leaves them unchecked. A mismatch falls back to the
+:meth:`PendingVerification.skip` leaves them unchecked; a ZeRO-3 one reads the zero manifest
+and the masters, not the optimizer's scalars (``zero/scalars.pt``), which
+:meth:`PendingVerification.reads_only` leaves unchecked. The small files hashed on the loading
+thread are hashed at the verdict, not as the check starts, so a file skipped meanwhile costs
+nothing. A mismatch falls back to the
 whole-file check, so the error still names the file and the tensors. Corruption in bytes such
 a load never reads (Adam moments) is not its error; a full load, which reads them, refuses it.
 
@@ -107,6 +111,7 @@ from ds_zero._checksums import chunks as _chunks
 from ds_zero._checksums import crc_range as _crc_range
 from ds_zero._checksums import crc_ranges as _crc_ranges
 from ds_zero._checksums import threads as _threads
+from ds_zero._file_record import file_record
 from ds_zero._ranks import agree, ranks_in
 from ds_zero._read_checks import (
     HelpedPool,
@@ -158,60 +163,6 @@ DIRECTORY_MANIFEST = "ds_manifest.json"
 # in all: a hashing thread would wait for the GIL behind the loader longer than that takes.
 _HASH_HERE = 4 << 20
 DIRECTORY_FORMAT = "ds.checkpoint/1"
-
-
-# --- records --------------------------------------------------------------------------------------
-
-
-def _tensor_index(path: Path) -> dict[str, dict[str, Any]]:
-    """Each tensor of a ``torch.save`` file: its path in the saved object, the byte offset and
-    size of its storage in the file, shape, dtype and the CRC-32 of the storage's bytes (see
-    [Note: checkpoint integrity]). Empty for files that are not a weights-only zip archive."""
-    try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        reader: Any = torch._C.PyTorchFileReader(str(path))  # get_record_offset: not in stubs
-        offsets = [
-            reader.get_record_offset(r) for r in reader.get_all_records() if "data/" in r[:8]
-        ]
-    except Exception:  # not a zip-format torch file: the whole-file checksums still cover it
-        return {}
-    found: list[tuple[str, torch.Tensor]] = []
-    walk(obj, "", found)
-    stored = [(n, t) for n, t in found if t.untyped_storage().nbytes() > 0]
-    if not stored or not offsets:
-        return {}
-    base = min(t.untyped_storage().data_ptr() for _, t in stored) - min(offsets)
-    index = {}
-    for name, t in stored:
-        storage = t.untyped_storage()
-        start, nbytes = storage.data_ptr() - base, storage.nbytes()
-        if t.is_contiguous():  # the tensor's own bytes (views of one flat buffer share storage)
-            start += t.storage_offset() * t.element_size()
-            nbytes = t.numel() * t.element_size()
-        index[name] = {
-            "offset": start,
-            "nbytes": nbytes,
-            "shape": list(t.shape),
-            "dtype": str(t.dtype),
-        }
-    jobs = [(path, e["offset"], e["nbytes"]) for e in index.values()]
-    for entry, crc in zip(index.values(), _crc_ranges(jobs)):
-        entry["crc32"] = crc
-    return index
-
-
-def file_record(path: Path, *, tensors: bool = True) -> dict[str, Any]:
-    """``{"bytes", "crc32": [per chunk], "tensors": {...}}`` of the file at ``path``."""
-    size = path.stat().st_size
-    record: dict[str, Any] = {
-        "bytes": size,
-        "crc32": _crc_ranges([(path, a, n) for a, n in _chunks(size)]),
-    }
-    if tensors and path.suffix == ".pt":
-        record["tensors"] = _tensor_index(path)
-        if record["tensors"]:  # the bytes between them (see [Note: verifying what the loader read])
-            record["gaps_crc32"] = spans_crc(path, gap_spans(record["tensors"], size))
-    return record
 
 
 # --- the manifest file ---------------------------------------------------------------------------
@@ -440,6 +391,9 @@ class PendingVerification:
         # never hands them over), and those it handed over: per file, the loaded tensors'
         # names, their dtypes and shapes, their CRC-32 jobs and the gaps' CRC-32 job.
         self._deferred: list[str] = []
+        # Small files hashed on the loading thread at the verdict (not before: a file the load
+        # turns out not to read is dropped by skip() unhashed).
+        self._here: list[str] = []
         self._loaded: dict[str, LoadedFile] = {}
         # Files hashed from the disk beside the loader, mapped (each knows the identity the
         # file had; closed once no thread hashes them).
@@ -495,21 +449,37 @@ class PendingVerification:
                 self._hash_from_file(name, files[name], if_cached=False)
             else:
                 self._jobs[name] = self._submit(name, files[name])
-        for name in here if not cold else ():  # after the threads have their work
-            self._jobs[name] = self._submit(name, files[name], here=True)
+        self._here = here if not cold else []
 
-    def skip(self, folder: str) -> None:
-        """Leave the files under ``folder`` (relative to the directory, ending in ``/``)
-        unchecked: the load reads none of them (a ZeRO-1/2 load without the optimizer's states
-        rebuilds the fp32 masters from the weights; see [Note: a path verifies what it uses])."""
-        for name in [n for n in self._jobs if n.startswith(folder)]:
+    def skip(self, folder: str, keep: Collection[str] = ()) -> None:
+        """Leave the files under ``folder`` (relative to the directory, ending in ``/``), other
+        than those named in ``keep`` (relative to the directory too), unchecked: the load reads
+        none of them (a ZeRO-1/2 load without the optimizer's states rebuilds the fp32 masters
+        from the weights and reads no zero file; a ZeRO-3 one reads the zero manifest and the
+        masters, not the optimizer's scalars; see [Note: a path verifies what it uses])."""
+
+        def dropped(name: str) -> bool:
+            return name.startswith(folder) and name not in keep
+
+        for name in [n for n in self._jobs if dropped(n)]:
             for job in self._jobs.pop(name) or ():
                 job.cancel()
-        for name in [n for n in self._loaded if n.startswith(folder)]:
+        for name in [n for n in self._loaded if dropped(n)]:
             _, jobs, _, gaps = self._loaded.pop(name)
             for job in (*jobs, gaps):
                 job.cancel()
-        self._deferred = [n for n in self._deferred if not n.startswith(folder)]
+        self._deferred = [n for n in self._deferred if not dropped(n)]
+        self._here = [n for n in self._here if not dropped(n)]
+
+    def reads_only(self, folder: Path, names: Collection[str]) -> None:
+        """The load reads, of the files under ``folder`` (a path under the directory), only
+        ``names`` (relative to ``folder``): the others are left unchecked (see :meth:`skip`)."""
+        try:
+            relative = folder.relative_to(self.directory).as_posix()
+        except ValueError:
+            return
+        prefix = "" if relative == "." else f"{relative}/"
+        self.skip(prefix, keep={prefix + name for name in names})
 
     def hash_loaded(self, path: str | os.PathLike[str], obj: Any) -> None:
         """Check file ``path`` of the directory from what the loader read of it: ``obj``, the
@@ -524,7 +494,8 @@ class PendingVerification:
         except ValueError:
             return
         record = self.manifest.get("files", {}).get(name)
-        if record is None or not fusable(record) or name in self._jobs or name in self._loaded:
+        taken = (self._jobs, self._loaded, self._here)  # hashed, or to be, apart from this
+        if record is None or not fusable(record) or any(name in t for t in taken):
             return
         wanted = set(wanted_tensors(record, _is_shard_file(name), self.values))
         found: list[tuple[str, torch.Tensor]] = []
@@ -649,7 +620,9 @@ class PendingVerification:
         files = self.manifest.get("files", {})
         for name in self._deferred:  # never handed over by the loader: hashed apart now
             self._jobs[name] = self._submit(name, files[name])
-        self._deferred = []
+        for name in self._here:
+            self._jobs[name] = self._submit(name, files[name], here=True)
+        self._deferred, self._here = [], []
         if self._pool is not None:  # the loader's core hashes too while it waits
             jobs = [job for jobs in self._jobs.values() for job in jobs or ()]
             jobs += [job for j in self._loaded.values() for job in (*j[1], j[3])]
