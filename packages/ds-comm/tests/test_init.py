@@ -144,6 +144,43 @@ def test_init_from_slurm_env() -> None:
         assert res["sum"] == 1.0
 
 
+def _alone(rank: int, world_size: int) -> list:
+    """``init_distributed`` with no launcher and no ``MASTER_PORT``, first with its port taken
+    by another listener, then with it free."""
+    import os
+    import socket
+
+    import ds_comm
+
+    def launched(port: int) -> list:
+        for name in (*_TORCH_VARS, "MASTER_PORT"):
+            os.environ.pop(name, None)
+        launch = ds_comm.init_distributed(distributed_port=port, verbose=False)
+        try:
+            exported = os.environ["MASTER_PORT"] == str(launch.master_port)
+            return [launch.source, launch.master_port == port, exported, _sum_of_ranks()]
+        finally:
+            ds_comm.destroy_process_group()
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        busy = launched(taken.getsockname()[1])
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return [busy, launched(port)]
+
+
+def test_a_process_alone_takes_a_free_port_when_its_port_is_taken() -> None:
+    """A lone process (no launcher, no MASTER_PORT) whose port another job holds (a second
+    notebook, a second test run on the host) starts on a free port, not EADDRINUSE; a free
+    port is kept."""
+    ((busy, free),) = run_on_ranks(_alone, 1, init_process_group=False, fresh=True)
+    assert busy == ["single", False, True, 0.0], busy
+    assert free == ["single", True, True, 0.0], free
+
+
 def _half_set(rank: int, world_size: int) -> str:
     import os
 

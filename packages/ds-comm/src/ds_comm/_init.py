@@ -6,6 +6,7 @@ turns a :class:`~ds_comm._env.LaunchEnv` into an initialised ``torch.distributed
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -60,7 +61,8 @@ def init_distributed(
     Args:
         dist_backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
         auto_mpi_discovery: use mpi4py to find rank 0 when launched by mpirun/mpiexec.
-        distributed_port: ``MASTER_PORT`` when the environment has none.
+        distributed_port: ``MASTER_PORT`` when the environment has none (a process with no
+            launcher takes a free port instead when this one is taken: nobody else connects).
         verbose: print one summary line on rank 0.
         timeout: timeout of the default group's collectives.
         init_method: torch rendezvous URL; ``env://`` (from the discovered values) when None.
@@ -197,13 +199,21 @@ def _discover(
                 rank=rank,
                 world_size=world_size,
             )
-    return discover(
+    launch = discover(
         os.environ,
         rank=rank,
         world_size=world_size,
         default_port=distributed_port,
         require_master=init_method is None or init_method.startswith("env://"),
     )
+    if launch.source == "single" and "MASTER_PORT" not in os.environ:
+        # A process alone, with no port set: nobody else connects to its store, so when the
+        # port is taken (another lone job on this host: a second notebook, a second test run)
+        # any free one does, where DeepSpeed fails with EADDRINUSE.
+        from ds_comm._mpi import free_port
+
+        launch = dataclasses.replace(launch, master_port=free_port(launch.master_port))
+    return launch
 
 
 def _adopt_existing(rank: int, world_size: int, verbose: bool) -> LaunchEnv:
