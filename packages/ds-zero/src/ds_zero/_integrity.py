@@ -52,9 +52,9 @@ optimizer's states rebuilds the masters from the weights and reads no ``zero/`` 
 and the masters, not the optimizer's scalars (``zero/scalars.pt``), which
 :meth:`PendingVerification.reads_only` leaves unchecked. The small files hashed on the loading
 thread are hashed at the verdict, not as the check starts, so a file skipped meanwhile costs
-nothing. A mismatch falls back to the
-whole-file check, so the error still names the file and the tensors. Corruption in bytes such
-a load never reads (Adam moments) is not its error; a full load, which reads them, refuses it.
+nothing. A mismatch falls back to the whole-file check, so the error still names the file and
+the tensors. Corruption in bytes such a load never reads (Adam moments, the optimizer's
+scalars) is not its error; a full load, which reads them, refuses it.
 
 [Note: hashing ahead of the loader]
 A shard file's tensors are checked either from the loader's mapped tensors once it hands the
