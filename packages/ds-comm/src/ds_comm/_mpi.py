@@ -1,7 +1,9 @@
 """mpi4py discovery: under ``mpirun``/``mpiexec`` with no rendezvous variables, rank 0 picks its
 address and a free port and broadcasts them over ``MPI.COMM_WORLD`` (DeepSpeed's ``mpi_discovery``).
 
-Only imported when an MPI launch is detected, because importing ``mpi4py.MPI`` initialises MPI.
+``mpi4py.MPI`` is imported only by :func:`load_mpi`, when an MPI launch is detected, because
+importing it initialises MPI; the rest of this module (addresses, free ports) imports nothing
+heavy, and ``_init.py`` uses :func:`free_port` for a process with no launcher too.
 """
 
 from __future__ import annotations

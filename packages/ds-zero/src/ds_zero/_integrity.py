@@ -433,9 +433,11 @@ class PendingVerification:
         # thread would wait for it (3-4 ms a file on the 2-core VM). One file is asked, which
         # keeps the question cheap on a warm load (a page cache holds a checkpoint's small
         # files, or not, together).
-        cold = bool(here) and on_disk(self.directory / here[-1])
-        for name in here if cold else ():
-            self._jobs[name] = self._submit(name, files[name])
+        if here and on_disk(self.directory / here[-1]):
+            for name in here:
+                self._jobs[name] = self._submit(name, files[name])
+        else:  # hashed at the verdict (see self._here)
+            self._here = here
         for name in mine:
             if name in here:
                 continue
@@ -449,7 +451,6 @@ class PendingVerification:
                 self._hash_from_file(name, files[name], if_cached=False)
             else:
                 self._jobs[name] = self._submit(name, files[name])
-        self._here = here if not cold else []
 
     def skip(self, folder: str, keep: Collection[str] = ()) -> None:
         """Leave the files under ``folder`` (relative to the directory, ending in ``/``), other
