@@ -1,6 +1,6 @@
 """Runs INSIDE a member's venv (its own interpreter): what pip installed, against what it declares.
 
-``python _probe.py NAME`` prints one JSON object:
+``python _probe.py NAME PIP_HOME`` prints one JSON object:
 
 - ``visible``: every distribution this interpreter sees (name -> version);
 - ``closure``: the distributions reachable from NAME through ``Requires-Dist`` (markers evaluated
@@ -12,7 +12,8 @@
   (PyPI has a ``deepspeed`` of the same version as the alias).
 
 Only the standard library and pip's vendored ``packaging`` are used, so the venv needs nothing
-the member does not install itself.
+the member does not install itself: the venv holds no pip, and ``PIP_HOME`` (the folder holding
+the installing pip) joins ``sys.path`` only after the venv's distributions have been listed.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import importlib.metadata as md
 import json
 import sys
 
-from pip._vendor.packaging.requirements import Requirement
-from pip._vendor.packaging.utils import canonicalize_name
+# Listed before PIP_HOME joins sys.path, so that pip is not among them.
+DISTRIBUTIONS = list(md.distributions())
+sys.path.append(sys.argv[2])
+from pip._vendor.packaging.requirements import Requirement  # noqa: E402
+from pip._vendor.packaging.utils import canonicalize_name  # noqa: E402
 
 
 def _requirements(dist: md.Distribution, extras: set[str]) -> list[Requirement]:
@@ -60,7 +64,7 @@ def _walk(root: str, dists: dict[str, md.Distribution]) -> tuple[set[str], list[
 
 def main() -> None:
     root = sys.argv[1]
-    dists = {canonicalize_name(d.metadata["Name"]): d for d in md.distributions()}
+    dists = {canonicalize_name(d.metadata["Name"]): d for d in DISTRIBUTIONS}
     closure, tree = _walk(root, dists)
     dist = dists[canonicalize_name(root)]
     top_level = dist.read_text("top_level.txt")

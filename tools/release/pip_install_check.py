@@ -1,12 +1,12 @@
 """Install each member ALONE from the wheelhouse with plain pip, and check what it brought.
 
-For every wheel in ``dist/`` (or the names given), in a fresh ``python -m venv`` with the pip it
-ships (never uv): ``pip install --find-links dist NAME`` (full dependency resolution, no
+For every wheel in ``dist/`` (or the names given), in a fresh, empty ``python -m venv``, plain pip
+(never uv) runs ``pip install --find-links dist NAME`` (full dependency resolution, no
 ``--no-deps``), then
 
 - ``pip check`` passes;
 - everything installed is reachable from NAME through its declared ``Requires-Dist`` (nothing
-  more, nothing missing; the venv's own pip and setuptools aside), and every ds distribution
+  more, nothing missing), and every ds distribution
   installed is the wheelhouse's own (its METADATA identical), not a same-named one from an index;
 - each top-level package imports, and every name in its ``__all__`` resolves;
 - each console script runs ``--help`` with exit status 0;
@@ -27,6 +27,16 @@ torch's build: when pip's find-links (``PIP_FIND_LINKS`` or pip's config) holds 
 torch for this interpreter, torch is pinned to it with a constraints file; ``DS_PIP_TORCH`` overrides
 that (``DS_PIP_TORCH=torch==2.6.0+cpu``; empty: no pin, the index decides).
 
+[Note: pip from outside the venv]
+The venvs are made ``--without-pip`` and this interpreter's pip installs into them
+(``pip --python VENV_PYTHON``, pip 22.3 or newer): the same resolver and installer a user's
+``venv/bin/pip`` runs. Seeding each venv with its own pip (``ensurepip``) cost 7.5 s of CPU per
+venv on the 2-core VM, mostly byte-compiling pip and setuptools, thirteen times a run; and with
+nothing in the venv but what NAME brought, the closure check has no exceptions to make. For the
+same reason installs pass ``--no-compile``: the import check compiles what it imports, and
+nothing else is ever run. The probe (``_probe.py``, run by the venv's interpreter) borrows
+``packaging`` from this pip after it has listed the venv's distributions.
+
 Run from the repository root: ``python tools/release/pip_install_check.py [--fresh] [NAME ...]``.
 """
 
@@ -46,9 +56,11 @@ import time
 import zipfile
 from pathlib import Path
 
+import pip
+
 PROBE = Path(__file__).with_name("_probe.py")
-# What `python -m venv` puts in a venv before anything is installed.
-VENV_BASELINE = {"pip", "setuptools"}
+# The oldest pip with `--python` (see [Note: pip from outside the venv]).
+PIP_WITH_PYTHON_OPTION = (22, 3)
 
 
 def _canonical(name: str) -> str:
@@ -118,9 +130,30 @@ def torch_constraint() -> str | None:
 
 
 def _venv(path: Path) -> Path:
-    """A fresh venv made by plain ``python -m venv``; returns its interpreter."""
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+    """A fresh, empty venv made by plain ``python -m venv``; returns its interpreter."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--clear", "--without-pip", str(path)], check=True
+    )
     return path / "bin" / "python"
+
+
+def _pip(python: Path, *args: str) -> list[str]:
+    """This interpreter's pip acting on ``python``'s environment."""
+    return [sys.executable, "-m", "pip", "--python", str(python), *args]
+
+
+def _pip_home() -> str:
+    """The folder holding this interpreter's ``pip`` package (for the probe's ``packaging``)."""
+    return str(Path(pip.__file__).resolve().parents[1])
+
+
+def _require_pip_with_python_option() -> None:
+    version = tuple(int(part) for part in re.findall(r"\d+", pip.__version__)[:2])
+    if version < PIP_WITH_PYTHON_OPTION:
+        raise SystemExit(
+            f"pip {pip.__version__} in {sys.executable} has no --python option; upgrade it to 22.3"
+            f" or newer: {sys.executable} -m pip install -U pip"
+        )
 
 
 def _site_packages(python: Path) -> str:
@@ -133,7 +166,7 @@ def _site_packages(python: Path) -> str:
 def _pip_install(python: Path, args: list[str], log: Path) -> str:
     """``pip install`` with the shared flags; the output goes to ``log``; returns its summary line."""
     proc = subprocess.run(
-        [python, "-m", "pip", "install", "--disable-pip-version-check", *args],
+        _pip(python, "install", "--disable-pip-version-check", "--no-compile", *args),
         capture_output=True,
         text=True,
     )
@@ -152,6 +185,7 @@ class Checker:
     def __init__(self, dist: Path, work: Path, fresh: bool) -> None:
         self.dist, self.work, self.fresh = dist.resolve(), work.resolve(), fresh
         self.wheels = _wheels(self.dist)
+        _require_pip_with_python_option()
         self.work.mkdir(parents=True, exist_ok=True)
         self.constraints = self.work / "constraints.txt"
         pin = torch_constraint()
@@ -169,15 +203,18 @@ class Checker:
         if self.layer is None:
             start = time.monotonic()
             folder, marker = self.work / "torch-layer", self.work / "torch-layer.ok"
-            pin = self.constraints.read_text()
-            if marker.is_file() and marker.read_text() == pin and folder.is_dir():
-                summary = f"reused {folder} ({pin.strip() or 'torch'})"
+            # The pin, and the layout: a layer kept from before the venvs were made without pip
+            # would lend the members its pip and setuptools.
+            key = f"{self.constraints.read_text()}venv --without-pip\n"
+            if marker.is_file() and marker.read_text() == key and folder.is_dir():
+                summary = f"reused {folder} ({key.splitlines()[0] or 'torch'})"
             else:
                 marker.unlink(missing_ok=True)
                 python = _venv(folder)
-                args = ["--no-compile", *self._pip_args("torch")]
-                summary = _pip_install(python, args, self.work / "torch-layer.log")
-                marker.write_text(pin)
+                summary = _pip_install(
+                    python, self._pip_args("torch"), self.work / "torch-layer.log"
+                )
+                marker.write_text(key)
             self.layer = _site_packages(folder / "bin" / "python")
             print(f"torch layer: {summary} ({time.monotonic() - start:.0f} s)", flush=True)
         return self.layer
@@ -192,14 +229,16 @@ class Checker:
             )
         summary = _pip_install(python, self._pip_args(name), self.work / f"{name}.log")
         problems = []
-        pip_check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+        pip_check = subprocess.run(_pip(python, "check"), capture_output=True, text=True)
         if pip_check.returncode != 0:
             problems.append(f"pip check: {pip_check.stdout.strip()}")
         probe = json.loads(
-            subprocess.run([python, PROBE, name], capture_output=True, text=True, check=True).stdout
+            subprocess.run(
+                [python, PROBE, name, _pip_home()], capture_output=True, text=True, check=True
+            ).stdout
         )
         visible, closure = set(probe["visible"]), set(probe["closure"])
-        if extra := sorted(visible - closure - VENV_BASELINE):
+        if extra := sorted(visible - closure):
             problems.append(f"installed but not declared by {name} (or its dependencies): {extra}")
         if missing := sorted(closure - visible):
             problems.append(f"declared but not installed: {missing}")
