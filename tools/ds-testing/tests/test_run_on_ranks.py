@@ -72,6 +72,22 @@ def test_fresh_uses_one_off_workers() -> None:
     assert run_on_ranks(_pid_body, 2) == shared
 
 
+def _imported_before_the_body(rank: int, world_size: int) -> list[str]:
+    import sys
+
+    return sorted(
+        name for name in ("torch", "torch.distributed", "torch._dynamo") if name in sys.modules
+    )
+
+
+def test_forked_workers_start_with_torch_and_dynamo_imported(monkeypatch) -> None:
+    """A forked worker inherits the fork server's imports, torch._dynamo included: the first
+    torch optimizer a rank builds imports it otherwise (seconds per worker)."""
+    monkeypatch.delenv("DS_TESTING_FORK_SERVER", raising=False)
+    imported = run_on_ranks(_imported_before_the_body, 2, fresh=True)
+    assert imported == [["torch", "torch._dynamo", "torch.distributed"]] * 2
+
+
 def _destroy_group_body(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
