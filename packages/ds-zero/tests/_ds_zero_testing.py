@@ -6,8 +6,11 @@ path, so the import runs there too.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,11 +141,43 @@ def parameter_error(model: nn.Module, reference: dict[str, torch.Tensor]) -> flo
     return worst
 
 
-def drop_cached_pages(path: Path) -> None:
-    """Evict ``path``'s pages from the page cache (fsynced first, so they are clean)."""
+def drop_cached_pages(path: Path, tries: int = 20) -> None:
+    """Evict ``path``'s pages from the page cache (fsynced first, so they are clean).
+
+    ``POSIX_FADV_DONTNEED`` is advice: a page still being read in, or not yet on the LRU
+    lists, survives it. So the advice is repeated until ``mincore`` (an oracle apart from the
+    ``RWF_NOWAIT`` probes the tests check) finds no page resident, ``tries`` times at most.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for _ in range(tries):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if not _resident_pages(fd):
+                return
+            time.sleep(0.01)
     finally:
         os.close(fd)
+
+
+def _resident_pages(fd: int) -> int:
+    """How many of the file's pages ``mincore`` reports in memory (0 where it cannot tell)."""
+    size = os.fstat(fd).st_size
+    if not size or not hasattr(ctypes, "CDLL"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return 0
+    try:
+        pages = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+        if libc.mincore(address, size, pages) != 0:
+            return 0
+        return sum(byte & 1 for byte in pages.raw)
+    finally:
+        libc.munmap(address, size)

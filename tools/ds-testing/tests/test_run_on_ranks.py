@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
 import pytest
 
-from ds_testing import DistributedTestFailure, run_on_ranks
+from ds_testing import DistributedTestFailure, preload, run_on_ranks
 
 
 def _all_reduce_body(rank: int, world_size: int, *, scale: float = 1.0) -> float:
@@ -70,22 +72,6 @@ def test_fresh_uses_one_off_workers() -> None:
     one_off = run_on_ranks(_pid_body, 2, fresh=True)
     assert set(one_off).isdisjoint(shared)
     assert run_on_ranks(_pid_body, 2) == shared
-
-
-def _imported_before_the_body(rank: int, world_size: int) -> list[str]:
-    import sys
-
-    return sorted(
-        name for name in ("torch", "torch.distributed", "torch._dynamo") if name in sys.modules
-    )
-
-
-def test_forked_workers_start_with_torch_and_dynamo_imported(monkeypatch) -> None:
-    """A forked worker inherits the fork server's imports, torch._dynamo included: the first
-    torch optimizer a rank builds imports it otherwise (seconds per worker)."""
-    monkeypatch.delenv("DS_TESTING_FORK_SERVER", raising=False)
-    imported = run_on_ranks(_imported_before_the_body, 2, fresh=True)
-    assert imported == [["torch", "torch._dynamo", "torch.distributed"]] * 2
 
 
 def _destroy_group_body(rank: int, world_size: int) -> None:
@@ -155,3 +141,42 @@ def test_rejects_non_module_level_functions() -> None:
 
 def test_failure_is_an_assertion_error() -> None:
     assert issubclass(DistributedTestFailure, AssertionError)
+
+
+_PRELOAD_SCRIPT = """
+import sys
+
+from ds_testing import preload, run_on_ranks
+
+
+def body(rank, world_size):
+    return "tabnanny" in sys.modules
+
+
+if __name__ == "__main__":
+    preload("tabnanny")
+    print(run_on_ranks(body, 2))
+"""
+
+
+def _imports_tabnanny(rank: int, world_size: int) -> bool:
+    import sys
+
+    return "tabnanny" in sys.modules
+
+
+def test_preloaded_modules_are_imported_before_the_workers_fork(tmp_path) -> None:
+    """``preload`` (from a conftest) makes the fork server import a module once, so each worker
+    starts with it; without it no worker has it; a different list once the fork server runs is
+    an error naming the fix."""
+    script = tmp_path / "preloading.py"
+    script.write_text(_PRELOAD_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "DS_TESTING_FORK_SERVER"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[True, True]"
+    assert run_on_ranks(_imports_tabnanny, 2) == [False, False]  # nothing here preloads it
+    with pytest.raises(RuntimeError, match=r"call it from the suite's conftest\.py"):
+        preload("tabnanny")

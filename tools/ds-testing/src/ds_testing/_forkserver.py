@@ -23,11 +23,8 @@ from ds_testing._protocol import Exited, Spawned, SpawnRequest
 
 MAX_MESSAGE = 1 << 20
 _POLL_S = 0.1
-# torch._dynamo: the first torch.optim.Optimizer built in a process imports it (its __init__ is
-# wrapped by torch._disable_dynamo), 2.5 s on the 2-core VM, in every worker that builds an
-# optimizer; preloaded, ds-optim's tests went from 53 s to 45 s and ds-zero's from 161 s to
-# 146 s. Importing it starts no thread, so forking stays safe.
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "pytest")
+# Imported before any fork; a suite adds its own with ds_testing.preload().
+_PRELOAD = ("torch", "torch.distributed", "numpy", "pytest")
 
 
 def _run_child(server: socket.socket, request: SpawnRequest, fd: int) -> NoReturn:
@@ -100,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds_testing._forkserver")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--preload", default="", help="more modules to import, comma-separated")
     ns = parser.parse_args(argv)
     server = socket.socket(fileno=ns.fd)
-    for name in _PRELOAD:
+    for name in (*_PRELOAD, *filter(None, ns.preload.split(","))):
         importlib.import_module(name)
     serve(server, ns.parent_pid)
     return 0

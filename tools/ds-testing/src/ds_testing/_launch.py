@@ -11,7 +11,11 @@ exit codes, since the parent cannot ``waitpid`` them. It exits when the parent c
 or dies, killing the workers left. ``DS_TESTING_FORK_SERVER=0`` (or a fork server that fails to
 start) falls back to one ``python -m ds_testing._worker`` subprocess per rank.
 Caveat: variables read only at import time (e.g. by torch) come from the environment of the
-first launch, because the import happened in the fork server.
+first launch, because the import happened in the fork server. A suite whose every worker imports
+something slow names it with ``ds_testing.preload`` (from its ``conftest.py``), and the fork
+server imports that once too: the first torch optimizer a process builds imports
+``torch._dynamo``, 2.5 s of a worker's start on the 2-core VM. Suites that build no optimizer
+leave it out, since the fork server's own start would pay it for nothing.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class _ForkServer:
                 [
                     *(sys.executable, "-m", "ds_testing._forkserver"),
                     *("--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())),
+                    *("--preload", ",".join(_preload)),
                 ],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
@@ -199,11 +204,26 @@ class _ForkServer:
 _server_lock = threading.Lock()
 _server: _ForkServer | None = None
 _server_failed = False
+_preload: tuple[str, ...] = ()
+_server_started = False
+
+
+def set_preload(modules: tuple[str, ...]) -> None:
+    """Modules the fork server imports before forking (see [Note: Fork server]); only before
+    it first starts, since its workers have forked from what it had imported."""
+    global _preload
+    with _server_lock:
+        if _server_started and modules != _preload:
+            raise RuntimeError(
+                f"ds_testing.preload{modules!r} after the fork server started (with"
+                f" {_preload!r}): call it from the suite's conftest.py, before any run_on_ranks"
+            )
+        _preload = modules
 
 
 def _fork_server(env: dict[str, str]) -> _ForkServer | None:
     """The running fork server, started on first use; ``None`` if disabled or broken."""
-    global _server, _server_failed
+    global _server, _server_failed, _server_started
     with _server_lock:
         if _server is not None and not _server.alive:
             _server, _server_failed = None, True
@@ -213,6 +233,7 @@ def _fork_server(env: dict[str, str]) -> _ForkServer | None:
             else:
                 log_dir = tempfile.mkdtemp(prefix="ds-testing-forkserver-")
                 _server = _ForkServer(env, os.path.join(log_dir, "forkserver.log"))
+                _server_started = True
         return _server
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_testing._config import default_timeout
+from ds_testing._launch import set_preload
 from ds_testing._pool import PoolKey, acquire_pool, release_pool
 from ds_testing._protocol import Call
 from ds_testing._report import format_failure, forward_output
@@ -28,6 +29,19 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` once in the fork server, before it forks the rank workers, instead of
+    in every worker: for a suite whose every worker imports something slow. Call it from the
+    suite's ``conftest.py``; after the fork server started, a different list raises
+    ``RuntimeError``.
+
+    Example: the first ``torch.optim.Optimizer`` a process builds imports ``torch._dynamo``
+    (2.5 s of each worker's start on a 2-core machine), so a suite that builds optimizers calls
+    ``preload("torch._dynamo")``.
+    """
+    set_preload(tuple(modules))
 
 
 def _resolve_backend(backend: str) -> str:
