@@ -61,6 +61,8 @@ import pip
 PROBE = Path(__file__).with_name("_probe.py")
 # The oldest pip with `--python` (see [Note: pip from outside the venv]).
 PIP_WITH_PYTHON_OPTION = (22, 3)
+# The folder holding this interpreter's pip (the probe borrows its ``packaging``).
+PIP_HOME = str(Path(pip.__file__).resolve().parents[1])
 
 
 def _canonical(name: str) -> str:
@@ -140,11 +142,6 @@ def _venv(path: Path) -> Path:
 def _pip(python: Path, *args: str) -> list[str]:
     """This interpreter's pip acting on ``python``'s environment."""
     return [sys.executable, "-m", "pip", "--python", str(python), *args]
-
-
-def _pip_home() -> str:
-    """The folder holding this interpreter's ``pip`` package (for the probe's ``packaging``)."""
-    return str(Path(pip.__file__).resolve().parents[1])
 
 
 def _require_pip_with_python_option() -> None:
@@ -234,7 +231,7 @@ class Checker:
             problems.append(f"pip check: {pip_check.stdout.strip()}")
         probe = json.loads(
             subprocess.run(
-                [python, PROBE, name, _pip_home()], capture_output=True, text=True, check=True
+                [python, PROBE, name, PIP_HOME], capture_output=True, text=True, check=True
             ).stdout
         )
         visible, closure = set(probe["visible"]), set(probe["closure"])

@@ -7,6 +7,7 @@ path, so the import runs there too.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -160,17 +161,24 @@ def drop_cached_pages(path: Path, tries: int = 20) -> None:
         os.close(fd)
 
 
-def _resident_pages(fd: int) -> int:
-    """How many of the file's pages ``mincore`` reports in memory (0 where it cannot tell)."""
-    size = os.fstat(fd).st_size
-    if not size or not hasattr(ctypes, "CDLL"):
-        return 0
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc with the signatures of ``mmap``, ``munmap`` and ``mincore``."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    return libc
+
+
+def _resident_pages(fd: int) -> int:
+    """How many of the file's pages ``mincore`` reports in memory (0 where it cannot tell)."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return 0
+    libc = _libc()
     address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if address in (None, ctypes.c_void_p(-1).value):
         return 0

@@ -205,17 +205,16 @@ _server_lock = threading.Lock()
 _server: _ForkServer | None = None
 _server_failed = False
 _preload: tuple[str, ...] = ()
-_server_started = False
 
 
 def set_preload(modules: tuple[str, ...]) -> None:
-    """Modules the fork server imports before forking (see [Note: Fork server]); only before
-    it first starts, since its workers have forked from what it had imported."""
+    """Modules the fork server imports before forking (see [Note: Fork server]); not while one
+    runs, since its workers have forked from what it had imported."""
     global _preload
     with _server_lock:
-        if _server_started and modules != _preload:
+        if _server is not None and modules != _preload:
             raise RuntimeError(
-                f"ds_testing.preload{modules!r} after the fork server started (with"
+                f"ds_testing.preload{modules!r} while the fork server runs (with"
                 f" {_preload!r}): call it from the suite's conftest.py, before any run_on_ranks"
             )
         _preload = modules
@@ -223,7 +222,7 @@ def set_preload(modules: tuple[str, ...]) -> None:
 
 def _fork_server(env: dict[str, str]) -> _ForkServer | None:
     """The running fork server, started on first use; ``None`` if disabled or broken."""
-    global _server, _server_failed, _server_started
+    global _server, _server_failed
     with _server_lock:
         if _server is not None and not _server.alive:
             _server, _server_failed = None, True
@@ -233,7 +232,6 @@ def _fork_server(env: dict[str, str]) -> _ForkServer | None:
             else:
                 log_dir = tempfile.mkdtemp(prefix="ds-testing-forkserver-")
                 _server = _ForkServer(env, os.path.join(log_dir, "forkserver.log"))
-                _server_started = True
         return _server
 
 

@@ -34,7 +34,7 @@ def gpu_count() -> int:
 def preload(*modules: str) -> None:
     """Import ``modules`` once in the fork server, before it forks the rank workers, instead of
     in every worker: for a suite whose every worker imports something slow. Call it from the
-    suite's ``conftest.py``; after the fork server started, a different list raises
+    suite's ``conftest.py``; while the fork server runs, a different list raises
     ``RuntimeError``.
 
     Example: the first ``torch.optim.Optimizer`` a process builds imports ``torch._dynamo``
