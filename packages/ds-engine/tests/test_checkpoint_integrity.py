@@ -695,22 +695,27 @@ def _model_file_body(rank: int, world_size: int, *, root: str, cold_small: bool)
     model file, which the loader reads whole, is mapped and hashed from the disk at once)."""
     from ds_zero import CheckpointError, _integrity
 
-    submit, wait = _integrity.PendingVerification._submit, _integrity.PendingVerification.wait
+    pending = _integrity.PendingVerification
+    submit, small, wait = pending._submit, pending._small_file_problem, pending.wait
     budget, on_disk, spare_core = _integrity._HASH_HERE, _integrity.on_disk, _integrity.spare_core
     run_here: list[bool] = []
     mapped: list[list[str]] = []
 
-    def recording_submit(self, name, record, here=False):
-        run_here.append(here)
-        return submit(self, name, record, here)
+    def recording_submit(self, name, record):
+        run_here.append(False)
+        return submit(self, name, record)
+
+    def recording_small(self, name, record):
+        run_here.append(True)
+        return small(self, name, record)
 
     def recording_wait(self, problems=()):
         if self._verdict is None:
             mapped.append(sorted(self._mapped))
         return wait(self, problems)
 
-    _integrity.PendingVerification._submit = recording_submit
-    _integrity.PendingVerification.wait = recording_wait
+    pending._submit, pending._small_file_problem = recording_submit, recording_small
+    pending.wait = recording_wait
     _integrity.spare_core = lambda: True
     if cold_small:
         _integrity.on_disk = lambda path: True
@@ -727,8 +732,7 @@ def _model_file_body(rank: int, world_size: int, *, root: str, cold_small: bool)
             for n, p in engine.module.named_parameters():
                 assert torch.equal(p, before[n]), f"{n} changed before the check refused"
     finally:
-        _integrity.PendingVerification._submit = submit
-        _integrity.PendingVerification.wait = wait
+        pending._submit, pending._small_file_problem, pending.wait = submit, small, wait
         _integrity._HASH_HERE, _integrity.on_disk = budget, on_disk
         _integrity.spare_core = spare_core
     return [result, run_here, mapped]
@@ -776,17 +780,23 @@ def test_a_model_file_hashed_from_the_disk_is_checked_as_one_hashed_as_read(
 
 
 def _hashed_files_body(rank: int, world_size: int, *, root: str) -> list[str]:
-    """The files a weights-only ZeRO-2 load hashes apart (``_submit``), in the page cache."""
+    """The files a weights-only ZeRO-2 load hashes apart (on the checksum threads, or small
+    ones on the loading thread), in the page cache."""
     from ds_zero import _integrity
 
-    submit = _integrity.PendingVerification._submit
+    pending = _integrity.PendingVerification
+    submit, small = pending._submit, pending._small_file_problem
     hashed: list[str] = []
 
-    def recording_submit(self, name, record, here=False):
+    def recording_submit(self, name, record):
         hashed.append(name)
-        return submit(self, name, record, here)
+        return submit(self, name, record)
 
-    _integrity.PendingVerification._submit = recording_submit
+    def recording_small(self, name, record):
+        hashed.append(name)
+        return small(self, name, record)
+
+    pending._submit, pending._small_file_problem = recording_submit, recording_small
     try:
         engine = _engine(seed=5)
         engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
@@ -794,7 +804,7 @@ def _hashed_files_body(rank: int, world_size: int, *, root: str) -> list[str]:
         hashed.clear()
         engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
     finally:
-        _integrity.PendingVerification._submit = submit
+        pending._submit, pending._small_file_problem = submit, small
     return hashed
 
 

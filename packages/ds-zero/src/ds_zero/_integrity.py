@@ -101,6 +101,7 @@ from ds_zero._checksums import (
     CHUNK,
     ChunkedCrcWriter,
     MappedFile,
+    crc32,
     file_identity,
     in_page_cache,
     on_disk,
@@ -159,8 +160,8 @@ __all__ = [
 ]
 
 DIRECTORY_MANIFEST = "ds_manifest.json"
-# Files this small are hashed on the thread that starts a verification, up to this many bytes
-# in all: a hashing thread would wait for the GIL behind the loader longer than that takes.
+# Files this small are hashed on the loading thread at the verdict, each in one read, up to this
+# many bytes in all: a hashing thread would wait for the GIL behind the loader longer than that.
 _HASH_HERE = 4 << 20
 DIRECTORY_FORMAT = "ds.checkpoint/1"
 
@@ -202,7 +203,7 @@ def file_problem(
     directory: Path, name: str, record: Mapping[str, Any], crcs: Sequence[int] | None = None
 ) -> str | None:
     """What is wrong with file ``name`` of ``directory`` against its manifest record (None when
-    it matches): absent, truncated, or corrupted, naming the tensors whose bytes changed.
+    it matches): absent, truncated, grown or corrupted, naming the tensors whose bytes changed.
     ``crcs``: the file's chunk checksums when the caller computed them already."""
     path = directory / name
     if not path.is_file():
@@ -223,6 +224,8 @@ def file_problem(
             return None
     entries = record.get("tensors", {})
     damaged = _damaged_tensors(path, record, size)
+    if size > record["bytes"]:
+        return f"{name} grew after the save ({size} bytes, {record['bytes']} when written)"
     if size != record["bytes"]:
         where = f"; tensors lost: {_describe(damaged, entries)}" if damaged else ""
         return f"{name} truncated ({size} of {record['bytes']} bytes){where}"
@@ -589,10 +592,8 @@ class PendingVerification:
             return None
         return problem or f"{name} corrupted (what was read differs from the manifest)"
 
-    def _submit(
-        self, name: str, record: Mapping[str, Any], here: bool = False
-    ) -> list[Future[int]] | None:
-        """The jobs hashing file ``name``'s chunks (``here``: run now, on this thread)."""
+    def _submit(self, name: str, record: Mapping[str, Any]) -> list[Future[int]] | None:
+        """The jobs hashing file ``name``'s chunks on the checksum threads."""
         path = self.directory / name
         try:
             size = path.stat().st_size
@@ -609,8 +610,31 @@ class PendingVerification:
             spans = [spans[i] for i in picked]
             entries = record["tensors"]
             spans += [(entries[n]["offset"], entries[n]["nbytes"]) for n in tensors]
-        run = self._pool.run_here if here else self._pool.submit
-        return [run(_crc_range, path, a, n) for a, n in spans]
+        return [self._pool.submit(_crc_range, path, a, n) for a, n in spans]
+
+    def _small_file_problem(self, name: str, record: Mapping[str, Any]) -> str | None:
+        """None when file ``name``, small enough to hash on this thread, matches its record,
+        read in one system call; :func:`file_problem`'s description otherwise."""
+        expected = int(record["bytes"])
+        try:
+            fd = os.open(self.directory / name, os.O_RDONLY)
+            try:
+                data = os.read(fd, expected + 1)  # a longer file reads longer
+            finally:
+                os.close(fd)
+        except OSError:
+            data = b""
+            expected = -1  # absent or unreadable: file_problem says which
+        if "crc32" in record and len(data) == expected:
+            chunk = int(self.manifest.get("chunk", CHUNK))
+            with memoryview(data) as view:
+                crcs = [crc32(view[a : a + n]) for a, n in _chunks(expected, chunk)]
+            if crcs == record["crc32"]:
+                return None
+        try:
+            return file_problem(self.directory, name, record)
+        except OSError as exc:
+            return f"{name} cannot be read: {exc}"
 
     def note(self, problem: str) -> None:
         """Add a problem the loader met while reading (told to every rank at the next wait)."""
@@ -621,8 +645,10 @@ class PendingVerification:
         files = self.manifest.get("files", {})
         for name in self._deferred:  # never handed over by the loader: hashed apart now
             self._jobs[name] = self._submit(name, files[name])
-        for name in self._here:
-            self._jobs[name] = self._submit(name, files[name], here=True)
+        for name in self._here:  # small files: each in one read, here (see _HASH_HERE)
+            problem = self._small_file_problem(name, files[name])
+            if problem is not None:
+                problems.append(problem)
         self._deferred, self._here = [], []
         if self._pool is not None:  # the loader's core hashes too while it waits
             jobs = [job for jobs in self._jobs.values() for job in jobs or ()]
