@@ -15,6 +15,10 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools/bench"))  # the scripts' shared helpers, as they import them
+
+from _shared.median_interval import against_target, median_interval  # noqa: E402
+
 TINY = ("--params", "0.2", "--width", "64", "--rounds", "2")
 # "| ZeRO-3, weights only (...), 1 MiB | 0.004 | 0.006 | +35.3% | +34.5% [+28.9%, +35.9%] | ..."
 ROW = re.compile(
@@ -73,6 +77,26 @@ def test_several_processes_give_the_median_and_each_process() -> None:
     assert sorted(map(float, each.groups())) == [low, high]
     assert low <= paired <= high
     assert "2 processes of 2 alternating rounds each" in out
+    assert "the 5% target: not settled: too few values for the interval" in out, out
+
+
+def test_the_median_interval_takes_the_order_statistics_binomial_tails_allow() -> None:
+    """At 95%: none below 6 values; the extremes of 6 (coverage 1 - 2/64); the 4th smallest
+    and largest of 15 (1 - 2 * 576/32768); the 22nd of 60. The verdict follows the interval."""
+    assert median_interval([1.0, 2, 3, 4, 5]) is None
+    six = median_interval([6.0, 1, 5, 2, 4, 3])
+    assert six is not None and (six.low, six.high, six.rank) == (1, 6, 1)
+    assert six.coverage == 1 - 2 / 64
+    fifteen = median_interval([float(x) for x in range(15, 0, -1)])
+    assert fifteen is not None and (fifteen.low, fifteen.high) == (4, 12)
+    assert abs(fifteen.coverage - (1 - 2 * 576 / 32768)) < 1e-12
+    sixty = median_interval([float(x) for x in range(60)])
+    assert sixty is not None and (sixty.low, sixty.high, sixty.rank) == (21, 38, 22)
+    assert 0.95 <= sixty.coverage < 0.98
+    assert against_target(sixty, 40).startswith("met")
+    assert against_target(sixty, 30).startswith("not settled: the interval straddles")
+    assert against_target(sixty, 21).startswith("missed")
+    assert against_target(None, 5).startswith("not settled: too few")
 
 
 def test_options_that_cannot_apply_are_refused() -> None:

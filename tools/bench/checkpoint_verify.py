@@ -33,7 +33,10 @@ Usage (from the workspace root)::
 A process's speed can differ from the next one's by more than the checks cost (on the shared
 development VM the same unverified load takes 30 ms in one process and 40 ms in the next), so
 ``--processes N`` runs the whole measurement in N fresh processes, one after another, and gives
-the median over them of each figure, with each process's paired overhead.
+the median over them of each figure, with each process's paired overhead, and a 95% confidence
+interval for the median of the paired overhead over processes (distribution-free, see
+``_shared/median_interval.py``; 6 processes or more), which says whether the 5% target is met,
+missed or not settled by that many processes.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+
+from _shared.median_interval import (  # tools/bench/_shared (this script's folder is on sys.path)
+    against_target,
+    median_interval,
+)
+
+TARGET = 0.05  # issue 24: verification costs under 5% of load time
 
 
 def _engine(params_m: float, width: int, stage: int):
@@ -403,10 +413,26 @@ def main() -> None:
         if "each" in result:
             each = ", ".join(f"{100 * x:+.1f}%" for x in result["each"])
             print(f"\n{name}: paired overhead of each process: {each}")
+            print(_interval_line(result["each"]))
     if args.phases:
         for name, result in rows:
             print(f"\n{name}")
             _print_phases(result["spans"], result["times"])
+
+
+def _interval_line(each: list[float]) -> str:
+    """The 95% interval for the median of the processes' paired overheads, and what it says of
+    the target."""
+    interval = median_interval(each)
+    where = ""
+    if interval is not None:
+        where = (
+            f"[{100 * interval.low:+.1f}%, {100 * interval.high:+.1f}%] (order statistics "
+            f"{interval.rank} and {len(each) + 1 - interval.rank} of {len(each)} processes, "
+            f"{100 * interval.coverage:.1f}% coverage); "
+        )
+    verdict = against_target(interval, TARGET)
+    return f"95% interval for the median: {where}the {100 * TARGET:.0f}% target: {verdict}"
 
 
 def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, list[float]]) -> None:
