@@ -8,16 +8,32 @@ docs/checkpoints.md carry those).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools/bench"))  # the scripts' shared helpers, as they import them
 
-from _shared.median_interval import against_target, median_interval  # noqa: E402
+
+def _helper(name: str) -> types.ModuleType:
+    """``tools/bench/_shared/<name>.py``, loaded from its file (the bench folder is not put on
+    ``sys.path``, where its scripts' names, ``zero``, ``comm``..., would shadow other modules)."""
+    spec = importlib.util.spec_from_file_location(
+        f"_bench_{name}", ROOT / f"tools/bench/_shared/{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_interval = _helper("median_interval")
+median_interval, against_target = _interval.median_interval, _interval.against_target
 
 TINY = ("--params", "0.2", "--width", "64", "--rounds", "2")
 # "| ZeRO-3, weights only (...), 1 MiB | 0.004 | 0.006 | +35.3% | +34.5% [+28.9%, +35.9%] | ..."

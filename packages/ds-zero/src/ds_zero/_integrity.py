@@ -222,10 +222,10 @@ def file_problem(
             crcs = _crc_ranges([(path, a, n) for a, n in _chunks(size)])
         if list(crcs) == list(record["crc32"]):
             return None
-    entries = record.get("tensors", {})
-    damaged = _damaged_tensors(path, record, size)
     if size > record["bytes"]:
         return f"{name} grew after the save ({size} bytes, {record['bytes']} when written)"
+    entries = record.get("tensors", {})
+    damaged = _damaged_tensors(path, record, size)
     if size != record["bytes"]:
         where = f"; tensors lost: {_describe(damaged, entries)}" if damaged else ""
         return f"{name} truncated ({size} of {record['bytes']} bytes){where}"

@@ -250,8 +250,8 @@ class HelpedPool:
         return job
 
     def run_here(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """``fn(*args)`` run now, on this thread, as a finished job (a small file, for which a
-        thread's hand-overs of the GIL would cost more than the hashing)."""
+        """``fn(*args)`` run now, on this thread, as a finished job (one taken over by
+        :meth:`help`)."""
         done: Future[Any] = Future()
         try:
             done.set_result(fn(*args))
