@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -688,6 +689,30 @@ def test_a_shard_replaced_after_it_was_hashed_is_checked_again(
 # --- the model file hashed from the disk; small files on the disk read on a thread ----------------
 
 
+@contextmanager
+def _recording_hashes(record: Callable[[str, bool], None]) -> Iterator[None]:
+    """``record(name, on_loading_thread)`` for each file a pending verification hashes apart:
+    on the checksum threads (``_submit``), or, a small one, on the loading thread."""
+    from ds_zero import _integrity
+
+    pending = _integrity.PendingVerification
+    submit, small = pending._submit, pending._small_file_problem
+
+    def recording_submit(self, name, entry):
+        record(name, False)
+        return submit(self, name, entry)
+
+    def recording_small(self, name, entry):
+        record(name, True)
+        return small(self, name, entry)
+
+    pending._submit, pending._small_file_problem = recording_submit, recording_small
+    try:
+        yield
+    finally:
+        pending._submit, pending._small_file_problem = submit, small
+
+
 def _model_file_body(rank: int, world_size: int, *, root: str, cold_small: bool) -> list:
     """A weights-only ZeRO-2 load (it reads the model file, and no zero file) with a core to
     spare, the verification's choices recorded. ``cold_small``: the small files are said to
@@ -696,25 +721,16 @@ def _model_file_body(rank: int, world_size: int, *, root: str, cold_small: bool)
     from ds_zero import CheckpointError, _integrity
 
     pending = _integrity.PendingVerification
-    submit, small, wait = pending._submit, pending._small_file_problem, pending.wait
+    wait = pending.wait
     budget, on_disk, spare_core = _integrity._HASH_HERE, _integrity.on_disk, _integrity.spare_core
     run_here: list[bool] = []
     mapped: list[list[str]] = []
-
-    def recording_submit(self, name, record):
-        run_here.append(False)
-        return submit(self, name, record)
-
-    def recording_small(self, name, record):
-        run_here.append(True)
-        return small(self, name, record)
 
     def recording_wait(self, problems=()):
         if self._verdict is None:
             mapped.append(sorted(self._mapped))
         return wait(self, problems)
 
-    pending._submit, pending._small_file_problem = recording_submit, recording_small
     pending.wait = recording_wait
     _integrity.spare_core = lambda: True
     if cold_small:
@@ -725,14 +741,15 @@ def _model_file_body(rank: int, world_size: int, *, root: str, cold_small: bool)
         engine = _engine(seed=5)
         before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         try:
-            engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+            with _recording_hashes(lambda name, here: run_here.append(here)):
+                engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
             result = "loaded"
         except CheckpointError as exc:
             result = str(exc)
             for n, p in engine.module.named_parameters():
                 assert torch.equal(p, before[n]), f"{n} changed before the check refused"
     finally:
-        pending._submit, pending._small_file_problem, pending.wait = submit, small, wait
+        pending.wait = wait
         _integrity._HASH_HERE, _integrity.on_disk = budget, on_disk
         _integrity.spare_core = spare_core
     return [result, run_here, mapped]
@@ -782,29 +799,13 @@ def test_a_model_file_hashed_from_the_disk_is_checked_as_one_hashed_as_read(
 def _hashed_files_body(rank: int, world_size: int, *, root: str) -> list[str]:
     """The files a weights-only ZeRO-2 load hashes apart (on the checksum threads, or small
     ones on the loading thread), in the page cache."""
-    from ds_zero import _integrity
-
-    pending = _integrity.PendingVerification
-    submit, small = pending._submit, pending._small_file_problem
     hashed: list[str] = []
-
-    def recording_submit(self, name, record):
-        hashed.append(name)
-        return submit(self, name, record)
-
-    def recording_small(self, name, record):
-        hashed.append(name)
-        return small(self, name, record)
-
-    pending._submit, pending._small_file_problem = recording_submit, recording_small
-    try:
-        engine = _engine(seed=5)
+    engine = _engine(seed=5)
+    with _recording_hashes(lambda name, _: hashed.append(name)):
         engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
         engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)  # warm, recorded
         hashed.clear()
         engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
-    finally:
-        pending._submit, pending._small_file_problem = submit, small
     return hashed
 
 

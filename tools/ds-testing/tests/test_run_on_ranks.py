@@ -160,8 +160,6 @@ if __name__ == "__main__":
 
 
 def _imports_tabnanny(rank: int, world_size: int) -> bool:
-    import sys
-
     return "tabnanny" in sys.modules
 
 
