@@ -264,3 +264,47 @@ int ds_native_crc32_spans(const void *data, size_t size, const uint64_t *starts,
     }
     return 0;
 }
+
+/* [Note: copying while hashing]
+ * A loader that hashes a file's tensors and then copies them out of the page cache reads every
+ * byte from memory twice; on a machine whose memory bandwidth the loader's other work shares,
+ * the second pass is what verification costs. Copying a block and hashing it from the copy while
+ * the cache holds it (64 KiB: well inside any L2) reads the source once, and the CRC then covers
+ * exactly the bytes the caller will use, not a page that may change between the two reads. The
+ * code path is chosen once per span, by the span's length, as one call over it would be.
+ */
+#define CRC_COPY_BLOCK ((size_t)64 << 10)
+
+int ds_native_crc32_copy_spans(const void *src, size_t size, const uint64_t *starts,
+                               const uint64_t *lengths, size_t count, void *const *dsts, int simd,
+                               uint32_t *out)
+{
+    const unsigned char *base = (const unsigned char *)src;
+    for (size_t i = 0; i < count; i++) { /* all checked first: nothing half-copied */
+        if (starts[i] > size || lengths[i] > size - starts[i]) {
+            return -1;
+        }
+    }
+    pthread_once(&crc_table_once, crc_table_init);
+    for (size_t i = 0; i < count; i++) {
+        int path = simd;
+        if (path == DS_NATIVE_CRC32_AUTO || !ds_native_crc32_simd_supported(path)) {
+            path = ds_native_crc32_auto_simd();
+            if (path == DS_NATIVE_CRC32_VPCLMUL && lengths[i] < CRC_VPCLMUL_MIN_BYTES) {
+                path = DS_NATIVE_CRC32_PCLMUL;
+            }
+        }
+        const unsigned char *from = base + starts[i];
+        unsigned char *to = (unsigned char *)dsts[i];
+        uint32_t value = 0;
+        for (size_t done = 0; done < lengths[i];) {
+            size_t block = lengths[i] - done < CRC_COPY_BLOCK ? lengths[i] - done : CRC_COPY_BLOCK;
+            memcpy(to, from + done, block);
+            value = ds_native_crc32(value, to, block, path);
+            to += block;
+            done += block;
+        }
+        out[i] = value;
+    }
+    return 0;
+}

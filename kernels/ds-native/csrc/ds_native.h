@@ -84,4 +84,14 @@ int ds_native_crc32_spans(const void *data, size_t size, const uint64_t *starts,
                           const uint64_t *lengths, size_t count, int chained, int simd,
                           uint32_t *out);
 
+/* crc32.c: copies each of `count` spans [starts[i], starts[i] + lengths[i]) of the `size` bytes at
+ * `src` to dsts[i] and puts the CRC-32 of what was copied into out[i]: one pass over the source,
+ * each block hashed while the cache still holds it (see [Note: copying while hashing]). Each
+ * dsts[i] holds at least lengths[i] bytes and overlaps no span. Returns -1 (nothing copied, out
+ * untouched) when a span leaves `src`, else 0.
+ */
+int ds_native_crc32_copy_spans(const void *src, size_t size, const uint64_t *starts,
+                               const uint64_t *lengths, size_t count, void *const *dsts, int simd,
+                               uint32_t *out);
+
 #endif /* DS_NATIVE_H */

@@ -1,0 +1,130 @@
+"""ds_native.crc32_copy_spans: each span copied exactly to its destination and hashed as
+copied, on every code path, into buffers and tensors; bad input refused with nothing copied."""
+
+from __future__ import annotations
+
+import array
+import mmap
+import random
+import re
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_native
+from ds_native import _ext
+from ds_native._ext import NativeExtension
+from ds_native.api import Crc32Simd
+
+_ALL_PATHS: tuple[Crc32Simd, ...] = ("scalar", "pclmul", "vpclmul")
+PATHS = [s for s in _ALL_PATHS if ds_native.crc32_simd_supported(s)]
+# spans shorter and longer than the kernel's 64 KiB block, one of several blocks plus a tail,
+# overlapping and empty ones, in no order
+SPANS = [(5, 3), (1000, 65_536), (70_000, 200_001), (0, 600_000), (9, 0), (300, 70_000)]
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.view(torch.uint8).tolist())
+
+
+def _crcs(data: bytes, spans: list[tuple[int, int]]) -> list[int]:
+    return [zlib.crc32(data[a : a + n]) for a, n in spans]
+
+
+@pytest.mark.parametrize("simd", [None, *PATHS])
+def test_each_span_lands_in_its_buffer_with_its_zlib_crc(simd: Crc32Simd | None) -> None:
+    data = random.Random(11).randbytes(600_000)
+    outs = [bytearray(n + 3) for _, n in SPANS]  # room to spare: nothing written past a span
+    assert ds_native.crc32_copy_spans(data, SPANS, outs, simd=simd) == _crcs(data, SPANS)
+    for (a, n), out in zip(SPANS, outs):
+        assert out == bytearray(data[a : a + n] + bytes(3))
+
+
+@pytest.mark.parametrize("simd", [None, *PATHS])
+def test_tensors_of_any_dtype_take_the_bytes(simd: Crc32Simd | None) -> None:
+    data = random.Random(13).randbytes(1_200_000)
+    source = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    spans = [(0, 400_000), (400_000, 800_000), (4, 8)]
+    outs = [torch.empty(100_000), torch.empty(400_000, dtype=torch.bfloat16), torch.empty(8)]
+    assert ds_native.crc32_copy_spans(data, spans, outs, simd=simd) == _crcs(data, spans)
+    assert torch.equal(outs[0].view(torch.int32), source[:100_000].view(torch.int32))
+    assert torch.equal(outs[1].view(torch.int32), source[100_000:300_000].view(torch.int32))
+    assert _bytes(outs[2])[:8] == data[4:12]
+
+
+def test_reads_a_mapping_and_writes_array_and_mmap_buffers(tmp_path: Path) -> None:
+    data = random.Random(12).randbytes(1 << 20)
+    (tmp_path / "f").write_bytes(data)
+    spans = [(4096, 400_000), (1, 2), (600_000, 448_576)]
+    outs = [array.array("f", bytes(400_000)), bytearray(2), mmap.mmap(-1, 448_576)]
+    with open(tmp_path / "f", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        with memoryview(m) as view:
+            assert ds_native.crc32_copy_spans(view, spans, outs) == _crcs(data, spans)
+        m.close()  # no export left behind
+    assert [bytes(out) for out in outs] == [data[a : a + n] for a, n in spans]
+    outs[2].close()  # nor on a destination
+    assert ds_native.crc32_copy_spans(data, [], []) == []
+
+
+@pytest.mark.parametrize("span", [(-1, 4), (0, -1), (10, 1), (11, 0), (3, 8)])
+def test_spans_leaving_the_source_are_refused_and_nothing_is_copied(
+    span: tuple[int, int],
+) -> None:
+    outs = [bytearray(20), bytearray(20)]
+    with pytest.raises(ValueError, match=re.escape(f"span (start, length) {span} leaves")):
+        ds_native.crc32_copy_spans(b"0123456789", [(0, 2), span], outs)
+    assert outs == [bytearray(20), bytearray(20)]
+
+
+@pytest.mark.parametrize(
+    ("outs", "message"),
+    [
+        ([bytearray(3), bytearray(3)], "span 1 holds 4 bytes, its destination only 3; pass one"),
+        ([bytearray(3)], "2 spans but 1 destinations; pass one each"),
+        ([bytearray(3), b"xxxx"], "destination 1 is read-only"),
+        ([bytearray(3), torch.empty(8, dtype=torch.uint8)[::2]], "not contiguous; pass a"),
+        ([bytearray(3), torch.empty(3, dtype=torch.uint8)], "span 1 holds 4 bytes"),
+    ],
+)
+def test_bad_destinations_are_refused_saying_what_is_needed(outs: list, message: str) -> None:
+    first = outs[0]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ds_native.crc32_copy_spans(b"0123456789", [(0, 3), (5, 4)], outs)
+    assert first == bytearray(3)  # nothing copied
+
+
+def test_without_extension_the_copies_and_crcs_come_from_python_and_zlib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(unavailable_reason="not built (test)"))
+    outs = [bytearray(5), torch.zeros(5, dtype=torch.uint8)]
+    assert ds_native.crc32_copy_spans(b"hello, spans", [(0, 5), (7, 5)], outs) == [
+        zlib.crc32(b"hello"),
+        zlib.crc32(b"spans"),
+    ]
+    assert outs[0] == bytearray(b"hello")
+    assert _bytes(outs[1]) == b"spans"
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension")
+def test_the_gil_is_released_while_copying() -> None:
+    """A thread copying 64 MiB four times lets another thread's Python run meanwhile."""
+    data = bytes(64 << 20)
+    out = bytearray(len(data))
+    ticks = 0
+    done = threading.Event()
+
+    def copy() -> None:
+        for _ in range(4):
+            ds_native.crc32_copy_spans(data, [(0, len(data))], [out])
+        done.set()
+
+    worker = threading.Thread(target=copy)
+    worker.start()
+    while not done.is_set():
+        ticks += 1
+    worker.join()
+    assert ticks > 1000
