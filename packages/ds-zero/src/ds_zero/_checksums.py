@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import torch
+
 try:  # ds-native's carry-less-multiply CRC-32 (same values as zlib's), when built
     from ds_native import crc32 as _native_crc32
 except ImportError:  # ds-native absent, or a release without crc32
@@ -51,8 +53,18 @@ try:  # all spans of a buffer in one call, the GIL released once (see [Note: whi
 except ImportError:  # ds-native absent, or a release without crc32_spans
     _crc32_spans = _spans_each
 
+try:  # spans copied out and hashed as copied, in one pass (see [Note: copying while verifying])
+    from ds_native import crc32_copy_spans as _crc32_copy_spans
+except ImportError:  # ds-native absent, or a release without crc32_copy_spans
+    _crc32_copy_spans = None
+
+COPY_KERNEL = _crc32_copy_spans is not None
+"""Whether :meth:`MappedFile.copy_crcs` runs ds-native's one-pass kernel (without it, copying
+while hashing saves nothing, and nothing is copied ahead)."""
+
 __all__ = [
     "CHUNK",
+    "COPY_KERNEL",
     "ChunkedCrcWriter",
     "MappedFile",
     "chunks",
@@ -192,6 +204,17 @@ class MappedFile:
         Raises ValueError for a file shorter than the spans."""
         self._check(spans)
         return _crc32_spans(self._view, spans, chained=True)[-1] if spans else 0
+
+    def copy_crcs(
+        self, spans: Sequence[tuple[int, int]], outs: Sequence[torch.Tensor]
+    ) -> list[int]:
+        """Copy each span into its tensor in ``outs`` and give the CRC-32 of each as copied, in
+        one pass over the file's pages. Raises ValueError for a file shorter than the spans, or
+        without ds-native's kernel (see :data:`COPY_KERNEL`)."""
+        self._check(spans)
+        if _crc32_copy_spans is None:
+            raise ValueError("copy_crcs needs ds-native's crc32_copy_spans; upgrade ds-native")
+        return _crc32_copy_spans(self._view, spans, outs) if spans else []
 
     def _check(self, spans: Sequence[tuple[int, int]]) -> None:
         last = max((start + length for start, length in spans), default=0)

@@ -182,8 +182,9 @@ def iter_fp32_tensors(
     ``ds_manifest.json``): they are not checksummed again; a
     :class:`~ds_zero.PendingVerification` of the engine folder, still running: the shard files
     holding the fp32 masters are mapped now and handed to it, which hashes the masters as
-    mapped (ds-zero's [Note: verifying what the loader read]); wait for its verdict before
-    using a tensor. Either way the zero manifest's seal, bindings and coverage are checked.
+    mapped (ds-zero's [Note: verifying what the loader read]), copying them out as it hashes
+    where it can (the tensors are then views of that verified copy: ds-zero's [Note: copying
+    while verifying]); wait for its verdict before using a tensor. Either way the zero manifest's seal, bindings and coverage are checked.
 
     Example:
         >>> for name, value in ds_zero.iter_fp32_tensors("ckpts", tag="global_step100"):
@@ -193,7 +194,7 @@ def iter_fp32_tensors(
     if isinstance(verified, PendingVerification):
         opened: dict[str, Mapping[str, Any]] = {}  # each shard file parsed once
         manifest = verify_checkpoint(source, files=False, pending=verified, opened=opened)
-        reader = ShardReader(source, manifest, opened, verified.hash_loaded)
+        reader = ShardReader(source, manifest, opened, verified.hash_loaded, verified.verified_copy)
         read = reader.open(("param",))
         for file, stored in read.items():
             verified.hash_loaded(source / file, stored)

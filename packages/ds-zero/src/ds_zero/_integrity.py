@@ -99,6 +99,7 @@ import torch.distributed as dist
 
 from ds_zero._checksums import (
     CHUNK,
+    COPY_KERNEL,
     ChunkedCrcWriter,
     MappedFile,
     crc32,
@@ -121,9 +122,10 @@ from ds_zero._read_checks import (
     batches,
     fusable,
     gap_spans,
-    holds_value,
     listing,
     loaded_matches,
+    partial_problem,
+    read_parts,
     tensor_crcs,
     walk,
     wanted_tensors,
@@ -138,6 +140,7 @@ from ds_zero._sealed import (
     seal,
     write_sealed,
 )
+from ds_zero._verified_copies import COPY_AHEAD_BYTES, CopiedTensors
 
 __all__ = [
     "CHUNK",
@@ -243,47 +246,6 @@ def _is_shard_file(name: str) -> bool:
     return (
         len(parts) == 2 and parts[0].startswith("zero") and parts[1].startswith("zero_shards_rank")
     )
-
-
-def _read_parts(
-    record: Mapping[str, Any], size: int, chunk: int, values: Collection[str]
-) -> tuple[list[int], list[str]]:
-    """What a load reading only ``values`` of a shard file uses (see [Note: a path verifies
-    what it uses]): the chunks holding the file's non-tensor bytes (the pickle and the zip
-    directory, before the first tensor and after the last), and the tensors of ``values``
-    outside those chunks, each checked by its own CRC-32."""
-    entries = record.get("tensors") or {}
-    if not entries:
-        return list(range(len(_chunks(size, chunk)))), []
-    first = min(e["offset"] for e in entries.values())
-    last = max(e["offset"] + e["nbytes"] for e in entries.values())
-    picked = set(range(0, (first + chunk - 1) // chunk if first else 1))
-    picked |= set(range(last // chunk, (size + chunk - 1) // chunk))
-    covered = {(i * chunk, min(size, (i + 1) * chunk)) for i in picked}
-    tensors = [
-        n
-        for n, e in entries.items()
-        if holds_value(n, values)
-        and not any(a <= e["offset"] and e["offset"] + e["nbytes"] <= b for a, b in covered)
-    ]
-    return sorted(picked), tensors
-
-
-def _partial_problem(
-    directory: Path,
-    name: str,
-    record: Mapping[str, Any],
-    crcs: Sequence[int],
-    picked: Sequence[int],
-    tensors: Sequence[str],
-) -> str | None:
-    """None when the chunks ``picked`` and the ``tensors`` of file ``name`` match the manifest;
-    a description otherwise."""
-    if (directory / name).stat().st_size != record["bytes"]:
-        return f"{name} truncated"
-    expected = [record["crc32"][i] for i in picked]
-    expected += [record["tensors"][n]["crc32"] for n in tensors]
-    return None if list(crcs) == expected else f"{name} corrupted"
 
 
 def _share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
@@ -401,6 +363,8 @@ class PendingVerification:
         # Files hashed from the disk beside the loader, mapped (each knows the identity the
         # file had; closed once no thread hashes them).
         self._mapped: dict[str, MappedFile] = {}
+        # Their tensors copied out as hashed, for the loader (see [Note: copying while verifying]).
+        self._copies: dict[str, CopiedTensors] = {}
         self._verdict: dict[str, Any] | None = None
         self._pool: HelpedPool | None = None
         try:
@@ -474,6 +438,7 @@ class PendingVerification:
                 job.cancel()
         self._deferred = [n for n in self._deferred if not dropped(n)]
         self._here = [n for n in self._here if not dropped(n)]
+        self._copies = {n: c for n, c in self._copies.items() if not dropped(n)}
 
     def reads_only(self, folder: Path, names: Collection[str]) -> None:
         """The load reads, of the files under ``folder`` (a path under the directory), only
@@ -544,7 +509,13 @@ class PendingVerification:
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
         # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
-        jobs = [self._pool.submit(mapped.crcs, run) for run in ahead_jobs(spans, self._threads)]
+        runs = ahead_jobs(spans, self._threads)
+        copies = self._copy_target(entries, order)
+        if copies is None:
+            jobs = [self._pool.submit(mapped.crcs, run) for run in runs]
+        else:  # copied out as hashed (see [Note: copying while verifying])
+            self._copies[name] = copies
+            jobs = [self._pool.submit(mapped.copy_crcs, r, copies.next_run(r)) for r in runs]
         # The bytes between the tensors (a few hundred small spans), through the mapping in one
         # native call. A file whose tensors are in the page cache (``if_cached``) has them there
         # too: a thread hashes them after the tensors (at the verdict, on the loading thread,
@@ -557,6 +528,30 @@ class PendingVerification:
         gaps = hash_gaps(mapped.chain, gap_spans(entries, int(record["bytes"])))
         self._loaded[name] = (meta, jobs, order, gaps)
         return True
+
+    def _copy_target(
+        self, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]
+    ) -> CopiedTensors | None:
+        """Where a masters-only load's tensors ``order`` are copied while hashed, or None (see
+        [Note: copying while verifying])."""
+        copied = sum(c.nbytes for c in self._copies.values())
+        wanted = sum(int(entries[n]["nbytes"]) for n in order)
+        if self.values is None or not COPY_KERNEL or copied + wanted > COPY_AHEAD_BYTES:
+            return None
+        return CopiedTensors(entries, order) if CopiedTensors.possible(entries, order) else None
+
+    def verified_copy(self, path: str | os.PathLike[str], tensor: str) -> torch.Tensor | None:
+        """Tensor ``tensor`` of file ``path`` as copied while hashed and found to match, once
+        the verdict is in (see [Note: copying while verifying]); None before it, or for a
+        tensor not copied (the loader then reads it from the file)."""
+        if self._verdict is None:
+            return None
+        try:
+            name = Path(path).relative_to(self.directory).as_posix()
+        except ValueError:
+            return None
+        copies = self._copies.get(name)
+        return None if copies is None else copies.tensor(tensor)
 
     def _result(self, job: Future[Any]) -> Any:
         assert self._pool is not None
@@ -605,7 +600,7 @@ class PendingVerification:
         chunk = int(self.manifest.get("chunk", CHUNK))
         spans = _chunks(size, chunk)
         if self.values is not None and _is_shard_file(name):
-            picked, tensors = _read_parts(record, size, chunk, self.values)
+            picked, tensors = read_parts(record, size, chunk, self.values)
             self._partial[name] = (picked, tensors)
             spans = [spans[i] for i in picked]
             entries = record["tensors"]
@@ -665,7 +660,7 @@ class PendingVerification:
             try:
                 crcs = [self._result(job) for job in jobs] if jobs is not None else None
                 if crcs is not None and name in self._partial:
-                    problem = _partial_problem(
+                    problem = partial_problem(
                         self.directory, name, files[name], crcs, *self._partial[name]
                     )
                     if problem is None:
@@ -718,15 +713,16 @@ class PendingVerification:
 
     def close(self) -> None:
         """Stop the checksum threads (the verdict is no longer wanted) and let go of the files
-        hashed from the disk. Their mappings are unmapped on a checksum thread: unmapping a
-        populated mapping takes milliseconds and blocks the process's page faults meanwhile,
-        so it waits for the end of the load (the ``with`` block) rather than the verdict."""
+        hashed from the disk, and of what was copied out of them. The mappings are unmapped
+        on a checksum thread: unmapping a populated mapping takes milliseconds and blocks the
+        process's page faults meanwhile, so it waits for the end of the load (the ``with``
+        block) rather than the verdict."""
         self._stop()
         if self._mapped:
             later = HelpedPool(self._threads).later
             for mapped in self._mapped.values():
                 later(mapped.close)
-            self._mapped = {}
+        self._mapped, self._copies = {}, {}
 
     def __enter__(self) -> PendingVerification:
         return self

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ds_zero._integrity import ChunkedCrcWriter, file_problem
-from ds_zero._read_checks import holds_value
+from ds_zero._read_checks import dtype_of, holds_value
 from ds_zero._readahead import read_ahead
 from ds_zero._sealed import (
     CheckpointError,
@@ -255,6 +255,7 @@ class ShardReader:
         manifest: Mapping[str, Any],
         opened: dict[str, Mapping[str, Any]] | None = None,
         on_open: Callable[[Path, Any], None] | None = None,
+        copied: Callable[[Path, str], torch.Tensor | None] | None = None,
     ) -> None:
         self.directory, self.manifest = directory, manifest
         # Files already mapped and unpickled (by :func:`binding_problems`): parsed once per load.
@@ -262,6 +263,9 @@ class ShardReader:
         # Told of each file the reader maps itself (a pending verification hashes what was
         # read: ds-zero's [Note: verifying what the loader read]).
         self._on_open = on_open
+        # A verified copy of a file's tensor, by path and name, where a pending verification
+        # copied it out while hashing (ds-zero's [Note: copying while verifying]).
+        self._copied = copied
 
     def _file(self, file: str) -> Mapping[str, torch.Tensor]:
         if file not in self._open:
@@ -306,18 +310,27 @@ class ShardReader:
         self, name: str, start: int, stop: int, values: Sequence[str] | None = None
     ) -> dict[str, torch.Tensor]:
         """Elements ``[start, stop)`` of tensor ``name``: each saved value (or those in
-        ``values``) as a new fp32 1-D tensor. Satisfies :data:`~ds_zero._shards.ShardLookup`."""
+        ``values``) as a new fp32 1-D tensor, or, for a range that one piece holds whose
+        values were copied out while verified, a view of that copy (see ds-zero's [Note:
+        copying while verifying]; a load reads each range once). Satisfies
+        :data:`~ds_zero._shards.ShardLookup`."""
         entry = self.entry(name)
         wanted = [v for v in entry["values"] if values is None or v in values]
+        pieces = [p for p in entry["pieces"] if max(p[2], start) < min(p[3], stop)]
+        if len(pieces) == 1 and pieces[0][2] <= start and stop <= pieces[0][3]:
+            file, key, a, _ = pieces[0]
+            copies = {v: self._copy(file, f"{key}/{v}") for v in wanted}
+            if all(c is not None and c.dtype == torch.float32 for c in copies.values()):
+                # views of the verified copy, which nothing else reads or writes: no copy here
+                return {v: c[start - a : stop - a] for v, c in copies.items() if c is not None}
         out = {v: torch.empty(stop - start, dtype=torch.float32) for v in wanted}
         covered = 0
-        for file, key, a, b in entry["pieces"]:
+        for file, key, a, b in pieces:
             low, high = max(a, start), min(b, stop)
-            if low >= high:
-                continue
-            stored = self._file(file)
             for value in wanted:
-                piece = stored[f"{key}/{value}"]
+                piece = self._copy(file, f"{key}/{value}")
+                if piece is None:
+                    piece = self._file(file)[f"{key}/{value}"]
                 out[value][low - start : high - start].copy_(piece[low - a : high - a])
             covered += high - low
         if covered != stop - start:
@@ -326,6 +339,11 @@ class ShardReader:
                 "checkpoint's pieces; verify the checkpoint first"
             )
         return out
+
+    def _copy(self, file: str, key: str) -> torch.Tensor | None:
+        """The verified copy of ``file``'s tensor ``key`` (flat), or None."""
+        copy = None if self._copied is None else self._copied(self.directory / file, key)
+        return None if copy is None else copy.view(-1)
 
     def tensor(self, name: str, value: str = "param") -> torch.Tensor:
         """The whole fp32 tensor ``name`` (one value), in its saved shape."""
@@ -370,14 +388,6 @@ class SettlingLookup:
         self._settle(failure)
         if failure is not None:
             raise failure
-
-
-def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:
-    """The torch dtype recorded for a manifest tensor entry (``"torch.bfloat16"`` ...)."""
-    dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {entry['dtype']!r} in the manifest")
-    return dtype
 
 
 def write_manifest(manifest: Mapping[str, Any], path: Path) -> None:

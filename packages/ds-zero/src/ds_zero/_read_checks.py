@@ -29,19 +29,23 @@ from typing import Any, TypeVar
 
 import torch
 
+from ds_zero._checksums import chunks, spans_crc
 from ds_zero._checksums import crc32 as _crc32
-from ds_zero._checksums import spans_crc
+from ds_zero._sealed import CheckpointError
 
 __all__ = [
     "HelpedPool",
     "LoadedFile",
     "ahead_jobs",
     "batches",
+    "dtype_of",
     "fusable",
     "gap_spans",
     "holds_value",
     "listing",
     "loaded_matches",
+    "partial_problem",
+    "read_parts",
     "runs",
     "spans_crc",
     "tensor_crcs",
@@ -310,3 +314,52 @@ def loaded_matches(
         if loaded.get(name) != (entry["dtype"], list(entry["shape"]), entry["crc32"]):
             return False
     return True
+
+
+def read_parts(
+    record: Mapping[str, Any], size: int, chunk: int, values: Collection[str]
+) -> tuple[list[int], list[str]]:
+    """What a load reading only ``values`` of a shard file uses (see [Note: a path verifies
+    what it uses]): the chunks holding the file's non-tensor bytes (the pickle and the zip
+    directory, before the first tensor and after the last), and the tensors of ``values``
+    outside those chunks, each checked by its own CRC-32."""
+    entries = record.get("tensors") or {}
+    if not entries:
+        return list(range(len(chunks(size, chunk)))), []
+    first = min(e["offset"] for e in entries.values())
+    last = max(e["offset"] + e["nbytes"] for e in entries.values())
+    picked = set(range(0, (first + chunk - 1) // chunk if first else 1))
+    picked |= set(range(last // chunk, (size + chunk - 1) // chunk))
+    covered = {(i * chunk, min(size, (i + 1) * chunk)) for i in picked}
+    tensors = [
+        n
+        for n, e in entries.items()
+        if holds_value(n, values)
+        and not any(a <= e["offset"] and e["offset"] + e["nbytes"] <= b for a, b in covered)
+    ]
+    return sorted(picked), tensors
+
+
+def partial_problem(
+    directory: Path,
+    name: str,
+    record: Mapping[str, Any],
+    crcs: Sequence[int],
+    picked: Sequence[int],
+    tensors: Sequence[str],
+) -> str | None:
+    """None when the chunks ``picked`` and the ``tensors`` of file ``name`` match the manifest;
+    a description otherwise."""
+    if (directory / name).stat().st_size != record["bytes"]:
+        return f"{name} truncated"
+    expected = [record["crc32"][i] for i in picked]
+    expected += [record["tensors"][n]["crc32"] for n in tensors]
+    return None if list(crcs) == expected else f"{name} corrupted"
+
+
+def dtype_of(entry: Mapping[str, Any]) -> torch.dtype:
+    """The torch dtype recorded for a manifest tensor entry (``"torch.bfloat16"`` ...)."""
+    dtype = getattr(torch, str(entry["dtype"]).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {entry['dtype']!r} in the manifest")
+    return dtype

@@ -1,0 +1,178 @@
+"""A ZeRO-3 weights-only load takes the fp32 masters from the copies its checksum threads made
+while hashing them (ds-zero's [Note: copying while verifying]): the weights are the ones a load
+reading the file gives; bytes rewritten in the file after the verdict are not loaded; and a copy
+changed while it was copied is refused, even when the file matches its manifest again by the
+verdict."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_testing import config, loss_of, make_dataset, make_mlp
+
+TAG = "t"
+SHARD = "zero/zero_shards_rank00000.pt"
+
+
+def _engine(seed: int):
+    import ds_engine
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every weight partitioned
+    engine, *_ = ds_engine.initialize(model=make_mlp(seed), config=config(zero_optimization=zero))
+    return engine
+
+
+def _save_body(rank: int, world_size: int, *, root: str) -> None:
+    engine = _engine(0)
+    engine.backward(loss_of(engine, list(make_dataset(4).tensors)))
+    engine.step()
+    engine.save_checkpoint(root, tag=TAG)
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:  # in place: the same file, as a mapping of it sees
+        f.seek(offset)
+        f.write(data)
+
+
+def _load_body(
+    rank: int,
+    world_size: int,
+    *,
+    root: str,
+    copy: bool,
+    before_verdict: tuple[int, bytes] | None = None,
+    after_verdict: tuple[int, bytes] | None = None,
+) -> dict[str, Any]:
+    """A weights-only load with the shard file hashed ahead (a spare core, the file cached),
+    copying while hashing or not; ``before_verdict``: ``(offset, bytes)`` written into the
+    shard file once its hashing is done and before the verdict; ``after_verdict``: just after
+    it. Returns the weights and how many master lookups came from the copies, or the error
+    that refused the load."""
+    from ds_zero import CheckpointError, GatheredParameters, _integrity, _manifest
+
+    pending, reader = _integrity.PendingVerification, _manifest.ShardReader
+    saved = (
+        _integrity.spare_core,
+        _integrity.in_page_cache,
+        _integrity.COPY_KERNEL,
+        pending.wait,
+        reader._copy,
+    )
+    shard = Path(root) / TAG / SHARD
+    copied: list[bool] = []
+
+    def wait(self, problems=()):
+        if self._verdict is None and before_verdict is not None:
+            for _, jobs, _, gaps in self._loaded.values():
+                for job in (*jobs, gaps):
+                    self._result(job)  # hashed (and copied): what follows happens after
+            _write_at(shard, *before_verdict)
+        manifest = saved[3](self, problems)
+        if after_verdict is not None:
+            _write_at(shard, *after_verdict)
+        return manifest
+
+    def recording_copy(self, file, key):
+        got = saved[4](self, file, key)
+        copied.append(got is not None)
+        return got
+
+    _integrity.spare_core = lambda: True
+    _integrity.in_page_cache = lambda path, offsets: True
+    _integrity.COPY_KERNEL = copy and saved[2]
+    pending.wait, reader._copy = wait, recording_copy
+    engine = _engine(5)
+    try:
+        engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+    except CheckpointError as exc:
+        return {"refused": str(exc)}
+    finally:
+        (_integrity.spare_core, _integrity.in_page_cache, _integrity.COPY_KERNEL) = saved[:3]
+        pending.wait, reader._copy = saved[3], saved[4]
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        weights = [p.detach().clone() for p in params]
+    return {"weights": weights, "copied": sum(copied), "lookups": len(copied)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("copies") / "ckpt"
+    run_on_ranks(_save_body, 1, root=str(root), timeout=300)
+    return root
+
+
+def _master(root: Path) -> tuple[int, int]:
+    """Offset and byte count of the shard file's first fp32 master."""
+    manifest = json.loads((root / TAG / "ds_manifest.json").read_text())
+    entries = manifest["files"][SHARD]["tensors"]
+    name = min((n for n in entries if n.endswith("/param")), key=lambda n: entries[n]["offset"])
+    return int(entries[name]["offset"]), int(entries[name]["nbytes"])
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _load(root: Path, **kwargs: Any) -> dict[str, Any]:
+    (result,) = run_on_ranks(_load_body, 1, root=str(root), timeout=300, **kwargs)
+    return result
+
+
+needs_kernel = pytest.mark.skipif(
+    not __import__("ds_native").native_available(),
+    reason="ds-native's C extension is not built: nothing is copied while hashing",
+)
+
+
+def _copy_of(saved: Path, folder: Path) -> Path:
+    shutil.copytree(saved, folder)
+    return folder
+
+
+@needs_kernel
+def test_the_masters_come_from_the_copies_and_equal_a_read_of_the_file(saved: Path) -> None:
+    copying, reading = _load(saved, copy=True), _load(saved, copy=False)
+    assert copying["copied"] == copying["lookups"] > 0
+    assert reading["copied"] == 0
+    assert _same(copying["weights"], reading["weights"])
+
+
+@needs_kernel
+def test_bytes_rewritten_after_the_verdict_are_not_loaded(saved: Path, tmp_path: Path) -> None:
+    """A master rewritten in place between the verdict and its use: the copy path loads what
+    was checked; reading the file after the verdict (the path without the kernel) loads the
+    new bytes, unchecked."""
+    offset, nbytes = _master(saved)
+    rewrite = (offset, bytes(nbytes))  # the master zeroed
+    reference = _load(saved, copy=False)["weights"]
+    copying = _load(_copy_of(saved, tmp_path / "a"), copy=True, after_verdict=rewrite)
+    assert _same(copying["weights"], reference)
+    reading = _load(_copy_of(saved, tmp_path / "b"), copy=False, after_verdict=rewrite)
+    assert not _same(reading["weights"], reference)  # the window the copies close
+
+
+@needs_kernel
+def test_a_master_changed_while_copied_is_refused_though_restored(
+    saved: Path, tmp_path: Path
+) -> None:
+    """A master corrupted while it was copied and hashed, and restored before the verdict: the
+    load is refused, naming the file (what was read differs from the manifest), so the
+    corrupted copy is never used, though the file matches its manifest again."""
+    root = _copy_of(saved, tmp_path / "ckpt")
+    offset, _ = _master(root)
+    good = (root / TAG / SHARD).read_bytes()[offset : offset + 4]
+    _write_at(root / TAG / SHARD, offset, bytes(b ^ 0x40 for b in good))
+    result = _load(root, copy=True, before_verdict=(offset, good))
+    assert f"{SHARD} corrupted" in result["refused"], result

@@ -1,0 +1,115 @@
+"""A masters-only load's shard files copied out while hashed ([Note: copying while verifying]):
+``iter_fp32_tensors`` under a pending verification gives the tensors a plain read gives, from
+the copies once the verdict is in (never before it), over ranges one piece holds and ranges
+split across the ranks' files; the copies go with the check."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_native
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ds_zero_testing import adam, global_batches, make_model, micro_batches
+
+SHARD = "zero/zero_shards_rank00000.pt"
+
+
+def _train_and_save(rank: int, world_size: int, *, path: str) -> None:
+    from ds_zero import Stage3Optimizer, ZeroConfig, save_sharded_checkpoint
+
+    model = make_model(torch.float32)
+    section = {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 64}
+    zero = Stage3Optimizer(model, adam(list(model.parameters())), ZeroConfig.from_dict(section))
+    for batch in global_batches(1, 8):
+        (micro,) = micro_batches(batch, rank, world_size, 1)
+        zero.backward(model(micro))
+        zero.step()
+    save_sharded_checkpoint(path, zero)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ZeRO-3 checkpoint of 2 ranks under ``zero/`` of a folder with its directory manifest."""
+    from ds_zero._integrity import write_directory_manifest
+
+    root = tmp_path_factory.mktemp("copies")
+    run_on_ranks(_train_and_save, 2, path=str(root / "zero"), timeout=300)
+    write_directory_manifest(root)
+    return root
+
+
+@pytest.fixture
+def hashed_ahead(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """A core to spare and the files cached, forced; records each shard lookup's source."""
+    from ds_zero import _integrity, _manifest
+
+    monkeypatch.setattr(_integrity, "spare_core", lambda: True)
+    monkeypatch.setattr(_integrity, "in_page_cache", lambda path, offsets: True)
+    lookups: list[tuple[str, bool]] = []
+    copy = _manifest.ShardReader._copy
+
+    def recording(self, file, key):
+        got = copy(self, file, key)
+        lookups.append((file, got is not None))
+        return got
+
+    monkeypatch.setattr(_manifest.ShardReader, "_copy", recording)
+    return lookups
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_the_tensors_come_from_the_copies_after_the_verdict(
+    checkpoint: Path, hashed_ahead: list[tuple[str, bool]]
+) -> None:
+    from ds_zero import iter_fp32_tensors, start_verification
+
+    plain = dict(iter_fp32_tensors(checkpoint / "zero"))
+    with start_verification(checkpoint, values=("param",)) as pending:
+        tensors = iter_fp32_tensors(checkpoint / "zero", verified=pending)
+        first = next(tensors)  # before the verdict: read from the file, no copy
+        assert not any(copied for _, copied in hashed_ahead)
+        assert pending.verified_copy(checkpoint / SHARD, "0/param") is None
+        pending.wait()
+        before = len(hashed_ahead)
+        got = dict([first, *tensors])
+        after = hashed_ahead[before:]  # one process checks both ranks' files: all copied
+        assert {f for f, _ in after} == {Path(SHARD).name, "zero_shards_rank00001.pt"}
+        assert all(copied for _, copied in after)
+        assert pending.verified_copy(checkpoint / SHARD, "nothing/param") is None
+    assert got.keys() == plain.keys()
+    assert all(torch.equal(got[n], plain[n]) for n in plain)
+    assert pending.verified_copy(checkpoint / SHARD, "0/param") is None  # closed: let go
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_a_range_one_piece_holds_is_a_view_of_the_copy(
+    checkpoint: Path, hashed_ahead: list[tuple[str, bool]]
+) -> None:
+    from ds_zero import start_verification
+    from ds_zero._manifest import ShardReader, read_manifest
+
+    source = checkpoint / "zero"
+    manifest = read_manifest(source)
+    with start_verification(checkpoint, values=("param",)) as pending:
+        reader = ShardReader(source, manifest, copied=pending.verified_copy)
+        reader.open(("param",))
+        pending.wait()
+        name, entry = next(
+            (n, e)
+            for n, e in manifest["tensors"].items()
+            if any(f == Path(SHARD).name and b - a > 2 for f, _, a, b in e["pieces"])
+        )
+        file, key, start, stop = next(p for p in entry["pieces"] if p[0] == Path(SHARD).name)
+        copy = pending.verified_copy(checkpoint / "zero" / file, f"{key}/param")
+        assert copy is not None
+        part = reader.lookup(name, start + 1, stop - 1, ("param",))["param"]
+        assert part.data_ptr() == copy.view(-1)[1:].data_ptr()  # no second copy
+        assert torch.equal(
+            part, ShardReader(source, manifest).lookup(name, start + 1, stop - 1)["param"]
+        )
