@@ -113,3 +113,22 @@ def test_a_range_one_piece_holds_is_a_view_of_the_copy(
         assert torch.equal(
             part, ShardReader(source, manifest).lookup(name, start + 1, stop - 1)["param"]
         )
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_a_file_the_loader_reads_itself_is_not_copied(
+    tmp_path: Path, hashed_ahead: list[tuple[str, bool]]
+) -> None:
+    """The model file of a masters-only load (ZeRO-1/2 without the optimizer's states), hashed
+    from the disk beside the loader's own read of it: nothing of it is copied, which only a
+    shard file's reader would use."""
+    from ds_zero import start_verification
+    from ds_zero._integrity import write_directory_manifest
+
+    name = "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.randn(1 << 21), "b": torch.randn(8)}}, tmp_path / name)
+    write_directory_manifest(tmp_path)
+    with start_verification(tmp_path, values=("param",), loaded=(name,)) as pending:
+        pending.hash_loaded(tmp_path / name, torch.load(tmp_path / name, weights_only=True))
+        pending.wait()
+        assert pending.verified_copy(tmp_path / name, "module/w") is None
