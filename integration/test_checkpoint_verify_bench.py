@@ -1,6 +1,6 @@
 """The checkpoint-verification benchmark (tools/bench/checkpoint_verify.py) runs end to end, the
-ways docs/checkpoints.md runs it: one process (warm, cold, phases) and several processes (the
-median over them), printing a row per setting with the load time of each arm and the overhead.
+ways docs/checkpoints.md runs it: one process (warm, cold, phases), several processes (the
+median over them) and the first loads of fresh processes, printing a row per setting with the load time of each arm and the overhead.
 
 Tiny models: this checks the script and its table, not the figures (the `bench` session and
 docs/checkpoints.md carry those).
@@ -96,6 +96,20 @@ def test_several_processes_give_the_median_and_each_process() -> None:
     assert "the 5% target: not settled: too few values for the interval" in out, out
 
 
+def test_first_loads_time_one_load_of_each_fresh_process() -> None:
+    out = _run("--stage", "3", "--no-optimizer-states", "--first-loads", "2")
+    assert "first load of a fresh process, 2 processes per arm" in out, out
+    row = re.search(
+        r"^\| ZeRO-3, weights only \(load_optimizer_states=False\) \| ([0-9.]+) \| ([0-9.]+) "
+        r"\| ([-+][0-9.]+)% \|$",
+        out,
+        re.M,
+    )
+    assert row is not None, out
+    assert float(row.group(1)) > 0 and float(row.group(2)) > 0
+    assert "the 5% target: not settled: too few values for the interval" in out, out
+
+
 def test_the_median_interval_takes_the_order_statistics_binomial_tails_allow() -> None:
     """At 95%: none below 6 values; the extremes of 6 (coverage 1 - 2/64); the 4th smallest
     and largest of 15 (1 - 2 * 576/32768); the 22nd of 60. The verdict follows the interval."""
@@ -119,6 +133,7 @@ def test_options_that_cannot_apply_are_refused() -> None:
     for args, message in (
         (("--processes", "0"), "--processes 0: give 1 or more"),
         (("--processes", "2", "--phases"), "--phases times the loads of one process"),
+        (("--first-loads", "2", "--cold"), "--first-loads times one warm load a process"),
     ):
         proc = _bench(*args)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -29,6 +29,7 @@ Usage (from the workspace root)::
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/checkpoint_verify.py --params 10 --rounds 5 --cold
     ... --stage 3 --no-optimizer-states --phases   # one setting, with each load phase timed
     ... --stage 3 --no-optimizer-states --processes 6   # the median over 6 fresh processes
+    ... --stage 3 --no-optimizer-states --first-loads 10   # a fresh process's one load
 
 A process's speed can differ from the next one's by more than the checks cost (on the shared
 development VM the same unverified load takes 30 ms in one process and 40 ms in the next), so
@@ -37,6 +38,11 @@ the median over them of each figure, with each process's paired overhead, and a 
 interval for the median of the paired overhead over processes (distribution-free, see
 ``_shared/median_interval.py``; 6 processes or more), which says whether the 5% target is met,
 missed or not settled by that many processes.
+
+``--first-loads N`` times instead what a job pays once, at its start: the first load of a fresh
+process (nothing allocated or mapped before it, the page cache warm), in N processes per arm,
+the arms alternating; the overhead of each pair of processes (one of each arm, one after the
+other) gives the median and its 95% interval.
 """
 
 from __future__ import annotations
@@ -285,19 +291,38 @@ def _parser() -> argparse.ArgumentParser:
         "give the median over them (a process's speed can differ from the next one's by more "
         "than the checks cost)",
     )
+    parser.add_argument(
+        "--first-loads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead, time the first load of a fresh process (a job's one load at its start), "
+        "in N processes per arm, the arms alternating (the page cache warm)",
+    )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a child's rows
+    # A --first-loads child: load this checkpoint once, this arm, and print the seconds.
+    parser.add_argument("--first-child", nargs=2, metavar=("ROOT", "ARM"), help=argparse.SUPPRESS)
     return parser
+
+
+def _one_rank(fresh_port: bool = False) -> None:
+    """The environment of a one-rank job, on a free port (unless one is set already and
+    ``fresh_port`` is False)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    if fresh_port:
+        os.environ["MASTER_PORT"] = port
+    else:
+        os.environ.setdefault("MASTER_PORT", port)
 
 
 def _measure_here(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], float]:
     """Each setting's measurement in this process, and the parameter count."""
     import torch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    _one_rank()
     rows = []
     settings = _settings(args)
     params = 0.0
@@ -369,6 +394,17 @@ def main() -> None:
         parser.error(f"--processes {args.processes}: give 1 or more")
     if args.phases and args.processes > 1:
         parser.error("--phases times the loads of one process: leave out --processes")
+    if args.first_loads and (args.phases or args.processes > 1 or args.cold):
+        parser.error(
+            "--first-loads times one warm load a process: leave out --phases, "
+            "--processes and --cold"
+        )
+    if args.first_child:
+        _first_child(args, *args.first_child)
+        return
+    if args.first_loads:
+        _first_loads(args)
+        return
     load_before = os.getloadavg()[0]
     if args.processes > 1:
         rows, params = _in_processes(args)
@@ -418,6 +454,69 @@ def main() -> None:
         for name, result in rows:
             print(f"\n{name}")
             _print_phases(result["spans"], result["times"])
+
+
+def _first_child(args: argparse.Namespace, root: str, arm: str) -> None:
+    """One load of ``root``'s checkpoint, the first of this process, in ``arm``; prints its
+    wall seconds."""
+    import importlib
+
+    _one_rank(fresh_port=True)  # not the parent's, which it still holds
+    engine = _engine(args.params, args.width, args.stage)
+    # Imported by both arms before the clock starts: _unverified() imports them to patch them,
+    # and the first load imports them otherwise (15-20 ms on the 2-core VM).
+    for module in ("ds_engine._checkpoint", "ds_zero._checkpoint", "ds_zero._consolidate"):
+        importlib.import_module(module)
+    with _unverified() if arm == "without verify" else contextlib.nullcontext():
+        start = time.perf_counter()
+        engine.load_checkpoint(
+            root, tag="bench", load_optimizer_states=not args.no_optimizer_states
+        )
+        print(json.dumps(time.perf_counter() - start))
+
+
+def _first_loads(args: argparse.Namespace) -> None:
+    """Per setting, the first load of ``args.first_loads`` fresh processes per arm, the arms
+    alternating which goes first, and the overhead of each pair of processes."""
+    import torch
+
+    _one_rank()
+    argv = [f"--params={args.params}", f"--width={args.width}"]
+    print(
+        f"\nfirst load of a fresh process, {args.first_loads} processes per arm, {os.cpu_count()} "
+        "CPUs, warm page cache"
+    )
+    print("| setting | median without verify (s) | with verify (s) | median paired overhead |")
+    print("|---|---|---|---|")
+    lines = []
+    for stage, full in _settings(args):
+        engine = _engine(args.params, args.width, stage)
+        engine.backward(engine(torch.randn(2, args.width)).square().mean())
+        engine.step()
+        with tempfile.TemporaryDirectory() as root:
+            engine.save_checkpoint(root, tag="bench")
+            times: dict[str, list[float]] = {arm: [] for arm in _ARMS}
+            for i in range(args.first_loads):
+                for arm in _ARMS[:: 1 if i % 2 == 0 else -1]:
+                    child = [f"--stage={stage}", "--first-child", root, arm]
+                    child += [] if full else ["--no-optimizer-states"]
+                    proc = subprocess.run(
+                        [sys.executable, __file__, *argv, *child],
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                    )
+                    if proc.returncode != 0:
+                        raise SystemExit(f"a {arm} first load failed:\n{proc.stderr[-3000:]}")
+                    times[arm].append(float(proc.stdout.strip().splitlines()[-1]))
+        what = "full load" if full else "weights only (load_optimizer_states=False)"
+        pairs = [b / a - 1 for a, b in zip(times[_ARMS[0]], times[_ARMS[1]])]
+        a, b = (statistics.median(times[arm]) for arm in _ARMS)
+        print(
+            f"| ZeRO-{stage}, {what} | {a:.3f} | {b:.3f} | {100 * statistics.median(pairs):+.1f}% |"
+        )
+        lines.append(f"\nZeRO-{stage}, {what}: {_interval_line(pairs)}")
+    print("\n".join(lines))
 
 
 def _interval_line(each: list[float]) -> str:
