@@ -100,10 +100,11 @@ def test_without_extension_the_copies_and_crcs_come_from_python_and_zlib(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(unavailable_reason="not built (test)"))
-    outs = [bytearray(5), torch.zeros(5, dtype=torch.uint8)]
-    assert ds_native.crc32_copy_spans(b"hello, spans", [(0, 5), (7, 5)], outs) == [
+    outs = [bytearray(5), torch.zeros(5, dtype=torch.uint8), torch.empty(0)]
+    assert ds_native.crc32_copy_spans(b"hello, spans", [(0, 5), (7, 5), (3, 0)], outs) == [
         zlib.crc32(b"hello"),
         zlib.crc32(b"spans"),
+        0,
     ]
     assert outs[0] == bytearray(b"hello")
     assert _bytes(outs[1]) == b"spans"

@@ -133,6 +133,8 @@ class _Destination:
     def write(self, data: memoryview) -> None:
         """Copy ``data`` to the start of the destination (the path without the C kernel)."""
         if self._tensor is not None:
+            if not data.nbytes:
+                return  # torch.frombuffer refuses an empty buffer
             target = self._tensor.view(-1).view(torch.uint8)[: data.nbytes]
             target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         else:
