@@ -27,7 +27,8 @@ back what the previous load freed, so a later load in the process faults in no n
 
 The check now does work the loader did: against a loader that copied ahead on a thread of its
 own without hashing, the check's own cost is the CRC-32 of blocks in the cache (ds-native's
-copy-and-hash took 12.8 ms for 40 MB on the 2-core VM, the copy alone 9.8 ms).
+copy-and-hash took 10.8 ms for 40 MB on the 2-core VM, the copy alone 7.0 ms:
+``tools/bench/crc32.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""tools/bench/crc32.py runs end to end as its docstring runs it (tiny sizes), printing a row per
+contender and what hashing adds to the copy; bad sizes are refused."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tools/bench/crc32.py"
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_row_per_contender_and_the_added_cost() -> None:
+    proc = _bench("--mb", "1", "--tensors", "3", "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| [0-9.]+ \|$", proc.stdout, re.M))
+    assert set(rows) == {
+        "zlib.crc32, each span",
+        "ds_native.crc32_spans",
+        "copy (torch copy_)",
+        "ds_native.crc32_copy_spans",
+    }, proc.stdout
+    assert all(float(ms) > 0 for ms in rows.values())
+    assert "1.0 MB in 3 spans, median of 2 rounds" in proc.stdout
+    assert re.search(r"hashing while copying adds [-+][0-9.]+ ms to the copy", proc.stdout)
+
+
+def test_bad_sizes_are_refused() -> None:
+    proc = _bench("--tensors", "0")
+    assert proc.returncode == 2 and "--tensors 0" in proc.stderr, proc.stderr
