@@ -184,7 +184,8 @@ def iter_fp32_tensors(
     holding the fp32 masters are mapped now and handed to it, which hashes the masters as
     mapped (ds-zero's [Note: verifying what the loader read]), copying them out as it hashes
     where it can (the tensors are then views of that verified copy: ds-zero's [Note: copying
-    while verifying]); wait for its verdict before using a tensor. Either way the zero manifest's seal, bindings and coverage are checked.
+    while verifying]); wait for its verdict before using a tensor. Either way the zero
+    manifest's seal, bindings and coverage are checked.
 
     Example:
         >>> for name, value in ds_zero.iter_fp32_tensors("ckpts", tag="global_step100"):

@@ -7,7 +7,7 @@ from the page cache on a checksum thread (see [Note: hashing ahead of the loader
 the verdict, the loading thread copied each one out of the shard file's mapping into a tensor
 of its own: two passes over the same bytes, the second on the load's critical path, faulting
 in the mapping's pages. Where ds-native's ``crc32_copy_spans`` is built, the checksum thread
-instead copies each 64 KiB block of the masters into a tensor of their own and hashes it from
+instead copies each 64 KiB block of the masters into tensors of their own and hashes it from
 there while the cache holds it (ds-native's [Note: copying while hashing]): one pass over the
 file, beside the loader's unpickling. After the verdict the loader takes each master as that
 tensor (the :class:`~ds_zero._manifest.ShardReader` lookup of a range one piece holds is a view
