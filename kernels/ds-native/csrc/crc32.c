@@ -220,15 +220,34 @@ int ds_native_crc32_auto_simd(void)
     return simd;
 }
 
-uint32_t ds_native_crc32(uint32_t value, const void *data, size_t n, int simd)
+/* The path that runs for `simd` over n bytes: AUTO (or a path this CPU cannot run) becomes the
+ * widest the CPU runs, vpclmul only from CRC_VPCLMUL_MIN_BYTES. */
+static int crc_path(int simd, size_t n)
 {
-    pthread_once(&crc_table_once, crc_table_init);
     if (simd == DS_NATIVE_CRC32_AUTO || !ds_native_crc32_simd_supported(simd)) {
         simd = ds_native_crc32_auto_simd();
         if (simd == DS_NATIVE_CRC32_VPCLMUL && n < CRC_VPCLMUL_MIN_BYTES) {
             simd = DS_NATIVE_CRC32_PCLMUL;
         }
     }
+    return simd;
+}
+
+/* Whether every span [starts[i], starts[i] + lengths[i]) lies within `size` bytes. */
+static int spans_inside(size_t size, const uint64_t *starts, const uint64_t *lengths, size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        if (starts[i] > size || lengths[i] > size - starts[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+uint32_t ds_native_crc32(uint32_t value, const void *data, size_t n, int simd)
+{
+    pthread_once(&crc_table_once, crc_table_init);
+    simd = crc_path(simd, n);
     const unsigned char *p = (const unsigned char *)data;
     uint32_t reg = ~value;
     switch (simd) {
@@ -253,10 +272,8 @@ int ds_native_crc32_spans(const void *data, size_t size, const uint64_t *starts,
 {
     const unsigned char *base = (const unsigned char *)data;
     uint32_t value = 0;
-    for (size_t i = 0; i < count; i++) { /* all checked first: nothing half-computed */
-        if (starts[i] > size || lengths[i] > size - starts[i]) {
-            return -1;
-        }
+    if (!spans_inside(size, starts, lengths, count)) { /* all checked first: nothing half-done */
+        return -1;
     }
     for (size_t i = 0; i < count; i++) {
         value = ds_native_crc32(chained ? value : 0, base + starts[i], lengths[i], simd);
@@ -280,20 +297,11 @@ int ds_native_crc32_copy_spans(const void *src, size_t size, const uint64_t *sta
                                uint32_t *out)
 {
     const unsigned char *base = (const unsigned char *)src;
-    for (size_t i = 0; i < count; i++) { /* all checked first: nothing half-copied */
-        if (starts[i] > size || lengths[i] > size - starts[i]) {
-            return -1;
-        }
+    if (!spans_inside(size, starts, lengths, count)) { /* all checked first: nothing half-copied */
+        return -1;
     }
-    pthread_once(&crc_table_once, crc_table_init);
     for (size_t i = 0; i < count; i++) {
-        int path = simd;
-        if (path == DS_NATIVE_CRC32_AUTO || !ds_native_crc32_simd_supported(path)) {
-            path = ds_native_crc32_auto_simd();
-            if (path == DS_NATIVE_CRC32_VPCLMUL && lengths[i] < CRC_VPCLMUL_MIN_BYTES) {
-                path = DS_NATIVE_CRC32_PCLMUL;
-            }
-        }
+        int path = crc_path(simd, lengths[i]); /* the path one call over the span would take */
         const unsigned char *from = base + starts[i];
         unsigned char *to = (unsigned char *)dsts[i];
         uint32_t value = 0;

@@ -8,6 +8,7 @@ import mmap
 import random
 import re
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -112,20 +113,22 @@ def test_without_extension_the_copies_and_crcs_come_from_python_and_zlib(
 
 @pytest.mark.skipif(not ds_native.native_available(), reason="no C extension")
 def test_the_gil_is_released_while_copying() -> None:
-    """A thread copying 64 MiB four times lets another thread's Python run meanwhile."""
-    data = bytes(64 << 20)
+    """Another thread runs Python while one call copies 256 MiB: it gets the GIL before the
+    call returns, which it could not if the call held the GIL (it would then get it only
+    after)."""
+    data = bytes(32 << 20)
     out = bytearray(len(data))
-    ticks = 0
-    done = threading.Event()
+    spans = [(0, len(data))] * 8  # one call, 8 passes over the same 32 MiB
+    entered, returned = threading.Event(), []
 
     def copy() -> None:
-        for _ in range(4):
-            ds_native.crc32_copy_spans(data, [(0, len(data))], [out])
-        done.set()
+        entered.set()
+        ds_native.crc32_copy_spans(data, spans, [out] * len(spans))
+        returned.append(time.perf_counter())
 
     worker = threading.Thread(target=copy)
     worker.start()
-    while not done.is_set():
-        ticks += 1
+    entered.wait()  # wakes holding the GIL: once the call releases it, or once it returned
+    ran = time.perf_counter()
     worker.join()
-    assert ticks > 1000
+    assert ran < returned[0]

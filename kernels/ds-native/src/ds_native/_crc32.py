@@ -45,12 +45,11 @@ def crc32(data: Buffer, value: int = 0, *, simd: Crc32Simd | None = None) -> int
         >>> ds_native.crc32(b"hello") == zlib.crc32(b"hello")
         True
     """
-    lib = _ext.EXTENSION.lib
-    code = _simd_code(simd)
+    code = native_code(simd)
     value &= 0xFFFFFFFF
-    if lib is None or (code == 0 and lib.ds_native_crc32_auto_simd() == _SCALAR):
-        # zlib's own loop beats the slice-by-8 fallback; "scalar" runs only when forced.
+    if code is None:
         return zlib.crc32(data, value)
+    lib = _ext.EXTENSION.lib
     ffi = _ext.EXTENSION.ffi
     try:
         view = ffi.from_buffer(data)
@@ -91,27 +90,20 @@ def crc32_spans(
         >>> ds_native.crc32_spans(b"hello world", [(0, 5), (6, 5)])
         [907060870, 980881731]
     """
-    starts = [int(a) for a, _ in spans]
-    lengths = [int(n) for _, n in spans]
     view = memoryview(data).cast("B")
     with view:
         size = view.nbytes
-        bad = [(a, n) for a, n in zip(starts, lengths) if a < 0 or n < 0 or a + n > size]
-        if bad:
-            raise ValueError(
-                f"crc32_spans: span (start, length) {bad[0]} leaves the {size}-byte buffer"
-            )
-        lib = _ext.EXTENSION.lib
-        code = _simd_code(simd)
+        starts, lengths = checked_spans("crc32_spans", spans, size)
+        code = native_code(simd)
         if not spans:
             return []
-        if lib is None or (code == 0 and lib.ds_native_crc32_auto_simd() == _SCALAR):
+        if code is None:
             out, value = [], 0
             for a, n in zip(starts, lengths):
                 value = zlib.crc32(view[a : a + n], value if chained else 0)
                 out.append(value)
             return out
-        ffi = _ext.EXTENSION.ffi
+        ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
         count = len(starts)
         crcs = ffi.new("uint32_t[]", count)
         with ffi.from_buffer(view) as buffer:
@@ -127,6 +119,30 @@ def crc32_spans(
             )
         assert status == 0  # the spans were checked above
         return list(crcs)
+
+
+def checked_spans(
+    caller: str, spans: Sequence[tuple[int, int]], size: int
+) -> tuple[list[int], list[int]]:
+    """The starts and lengths of ``spans``, each checked to lie within ``size`` bytes (a
+    ValueError naming ``caller`` and the first span that does not)."""
+    starts = [int(a) for a, _ in spans]
+    lengths = [int(n) for _, n in spans]
+    bad = [(a, n) for a, n in zip(starts, lengths) if a < 0 or n < 0 or a + n > size]
+    if bad:
+        raise ValueError(f"{caller}: span (start, length) {bad[0]} leaves the {size}-byte buffer")
+    return starts, lengths
+
+
+def native_code(simd: Crc32Simd | None) -> int | None:
+    """The C code path to request (0: the kernel picks), or None where zlib runs instead: no
+    C extension, or a CPU whose default would be the slice-by-8 fallback, which zlib's own loop
+    beats ("scalar" runs only when forced)."""
+    lib = _ext.EXTENSION.lib
+    code = _simd_code(simd)
+    if lib is None or (code == 0 and lib.ds_native_crc32_auto_simd() == _SCALAR):
+        return None
+    return code
 
 
 def default_crc32_simd() -> Crc32Simd | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_native import _ext
-from ds_native._crc32 import _SCALAR, _simd_code
+from ds_native._crc32 import checked_spans, native_code
 from ds_native.api import Crc32Simd
 
 if TYPE_CHECKING:
@@ -56,8 +56,6 @@ def crc32_copy_spans(
         >>> ds_native.crc32_copy_spans(b"hello world", [(0, 5), (6, 5)], outs)
         [907060870, 980881731]
     """
-    starts = [int(a) for a, _ in spans]
-    lengths = [int(n) for _, n in spans]
     if len(outs) != len(spans):
         raise ValueError(
             f"crc32_copy_spans: {len(spans)} spans but {len(outs)} destinations; pass one each"
@@ -65,26 +63,21 @@ def crc32_copy_spans(
     with contextlib.ExitStack() as stack:
         view = stack.enter_context(memoryview(data).cast("B"))
         size = view.nbytes
-        bad = [(a, n) for a, n in zip(starts, lengths) if a < 0 or n < 0 or a + n > size]
-        if bad:
-            raise ValueError(
-                f"crc32_copy_spans: span (start, length) {bad[0]} leaves the {size}-byte buffer"
-            )
+        starts, lengths = checked_spans("crc32_copy_spans", spans, size)
         targets = [
             stack.enter_context(_Destination(out, n, i))
             for i, (out, n) in enumerate(zip(outs, lengths))
         ]
-        lib = _ext.EXTENSION.lib
-        code = _simd_code(simd)
+        code = native_code(simd)
         if not spans:
             return []
-        if lib is None or (code == 0 and lib.ds_native_crc32_auto_simd() == _SCALAR):
+        if code is None:
             crcs = []
             for a, n, target in zip(starts, lengths, targets):
                 target.write(view[a : a + n])
                 crcs.append(zlib.crc32(view[a : a + n]))
             return crcs
-        ffi = _ext.EXTENSION.ffi
+        ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
         count = len(starts)
         crcs = ffi.new("uint32_t[]", count)
         pointers = ffi.new("void *[]", [target.pointer(ffi, stack) for target in targets])

@@ -510,7 +510,7 @@ class PendingVerification:
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
         # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
         runs = ahead_jobs(spans, self._threads)
-        copies = self._copy_target(entries, order) if _is_shard_file(name) else None
+        copies = self._copy_target(name, entries, order)
         if copies is None:
             jobs = [self._pool.submit(mapped.crcs, run) for run in runs]
         else:  # copied out as hashed (see [Note: copying while verifying])
@@ -530,14 +530,15 @@ class PendingVerification:
         return True
 
     def _copy_target(
-        self, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]
+        self, name: str, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]
     ) -> CopiedTensors | None:
-        """Where a masters-only load's tensors ``order`` of a shard file are copied while
-        hashed, or None (see [Note: copying while verifying]); a file the loader reads itself
-        (the model file) is hashed in place."""
+        """Where a masters-only load's tensors ``order`` of shard file ``name`` are copied
+        while hashed, or None (see [Note: copying while verifying]): a file the loader reads
+        itself (the model file) is hashed in place."""
+        if self.values is None or not COPY_KERNEL or not _is_shard_file(name):
+            return None
         copied = sum(c.nbytes for c in self._copies.values())
-        wanted = sum(int(entries[n]["nbytes"]) for n in order)
-        if self.values is None or not COPY_KERNEL or copied + wanted > COPY_AHEAD_BYTES:
+        if copied + sum(int(entries[n]["nbytes"]) for n in order) > COPY_AHEAD_BYTES:
             return None
         return CopiedTensors(entries, order) if CopiedTensors.possible(entries, order) else None
 
