@@ -317,7 +317,8 @@ class ShardReader:
         entry = self.entry(name)
         wanted = [v for v in entry["values"] if values is None or v in values]
         pieces = [p for p in entry["pieces"] if max(p[2], start) < min(p[3], stop)]
-        if len(pieces) == 1 and pieces[0][2] <= start and stop <= pieces[0][3]:
+        one = len(pieces) == 1 and pieces[0][2] <= start and stop <= pieces[0][3]
+        if one and self._copied is not None:  # a reader without copies looks for none
             file, key, a, _ = pieces[0]
             copies = {v: self._copy(file, f"{key}/{v}") for v in wanted}
             if all(c is not None and c.dtype == torch.float32 for c in copies.values()):
