@@ -83,7 +83,9 @@ hashed from the disk the same way, cold or warm: there the mapping's faults are 
 stream of reads beside the loader's, not scattered ones. Reading a 400 MB model file from a
 cold disk on the 2-core VM took 0.466 s with it, 0.523 s alone (16 rounds in random order);
 25 jobs of one 16 MiB chunk each gave 0.497 s, and a thread trailing the loader (each chunk
-hashed once cached) 0.508 s.
+hashed once cached) 0.508 s. Its gaps (the pickle and the zip headers) are hashed on a thread
+too when the checkpoint's small files are in the page cache (then so is the model file), and
+otherwise at the verdict, once the loader's unpickling has read them.
 """
 
 from __future__ import annotations
@@ -400,7 +402,8 @@ class PendingVerification:
         # thread would wait for it (3-4 ms a file on the 2-core VM). One file is asked, which
         # keeps the question cheap on a warm load (a page cache holds a checkpoint's small
         # files, or not, together).
-        if here and on_disk(self.directory / here[-1]):
+        cold = on_disk(self.directory / here[-1]) if here else None  # None: nothing asked
+        if cold:
             for name in here:
                 self._jobs[name] = self._submit(name, files[name])
         else:  # hashed at the verdict (see self._here)
@@ -415,7 +418,7 @@ class PendingVerification:
             elif overlap and name in loaded and fusable(files[name]):
                 # Read whole and in order by the loader: hashed from the disk at once, warm or
                 # cold (see [Note: hashing ahead of the loader]).
-                self._hash_from_file(name, files[name], if_cached=False)
+                self._hash_from_file(name, files[name], if_cached=False, gaps_now=cold is False)
             else:
                 self._jobs[name] = self._submit(name, files[name])
 
@@ -481,7 +484,9 @@ class PendingVerification:
         if name in self._deferred:
             self._deferred.remove(name)
 
-    def _hash_from_file(self, name: str, record: Mapping[str, Any], if_cached: bool = True) -> bool:
+    def _hash_from_file(
+        self, name: str, record: Mapping[str, Any], if_cached: bool = True, gaps_now: bool = False
+    ) -> bool:
         """Hash the tensors of file ``name`` that the load uses, by their ranges in the manifest,
         and the bytes between them: the check :meth:`hash_loaded` makes from the loader's
         tensors, started before the loader reads the file (see [Note: hashing ahead of the
@@ -518,13 +523,14 @@ class PendingVerification:
             jobs = [self._pool.submit(mapped.copy_crcs, r, copies.next_run(r)) for r in runs]
         # The bytes between the tensors (a few hundred small spans), through the mapping in one
         # native call. A file whose tensors are in the page cache (``if_cached``) has them there
-        # too: a thread hashes them after the tensors (at the verdict, on the loading thread,
-        # they cost 0.3 ms of a 35 ms load on the 2-core VM). Otherwise they are hashed at the
-        # verdict, on the loading thread: by then the loader's unpickling has read them (the
-        # zip headers and the pickle) into the page cache, whereas now, from a cold disk, each
-        # page fault would read the pages around it (and a system call each costs 0.15 ms of a
-        # 30 ms load).
-        hash_gaps = self._pool.submit if if_cached else self._pool.defer
+        # too, as does one whose checkpoint's small files are (``gaps_now``: a page cache holds
+        # a checkpoint's files, or not, together): a thread hashes them after the tensors (at
+        # the verdict, on the loading thread, they cost 0.15-0.3 ms of a 35 ms load on the
+        # 2-core VM). Otherwise they are hashed at the verdict, on the loading thread: by then
+        # the loader's unpickling has read them (the zip headers and the pickle) into the page
+        # cache, whereas now, from a cold disk, each page fault would read the pages around it
+        # (and a system call each costs 0.15 ms of a 30 ms load).
+        hash_gaps = self._pool.submit if if_cached or gaps_now else self._pool.defer
         gaps = hash_gaps(mapped.chain, gap_spans(entries, int(record["bytes"])))
         self._loaded[name] = (meta, jobs, order, gaps)
         return True
