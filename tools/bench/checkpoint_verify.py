@@ -145,12 +145,15 @@ _PHASES = (
     ("ds_zero._zero_shards", "_read_shards"),
     ("ds_zero._integrity", "PendingVerification.wait"),
 )
-# The checksum functions, run on the hashing threads: their time is summed over the threads.
+# The checksum functions, run on the hashing threads: their time is summed over the threads
+# (the copies made while hashing, and the gaps of a mapped file, included).
 _HASHERS = (
     ("ds_zero._integrity", "_crc_range"),
     ("ds_zero._integrity", "tensor_crcs"),
     ("ds_zero._integrity", "spans_crc"),
     ("ds_zero._checksums", "MappedFile.crcs"),
+    ("ds_zero._checksums", "MappedFile.copy_crcs"),
+    ("ds_zero._checksums", "MappedFile.chain"),
 )
 
 
