@@ -84,8 +84,9 @@ stream of reads beside the loader's, not scattered ones. Reading a 400 MB model 
 cold disk on the 2-core VM took 0.466 s with it, 0.523 s alone (16 rounds in random order);
 25 jobs of one 16 MiB chunk each gave 0.497 s, and a thread trailing the loader (each chunk
 hashed once cached) 0.508 s. Its gaps (the pickle and the zip headers) are hashed on a thread
-too when the checkpoint's small files are in the page cache (then so is the model file), and
-otherwise at the verdict, once the loader's unpickling has read them.
+too when the checkpoint's small files are in the page cache (a page cache holds a checkpoint's
+files, or not, together), and otherwise at the verdict, once the loader's unpickling has read
+them.
 """
 
 from __future__ import annotations
@@ -493,8 +494,10 @@ class PendingVerification:
         loader]). ``if_cached`` (a shard file, which the loader maps): False, and nothing
         started, when those tensors are not in the page cache (eight sampled): from a cold
         disk, hashing them ahead would compete for the disk with the loader's many small reads
-        of the file's headers. The file is mapped here, so each job is one native call; the
-        mapping keeps the file's identity, so a file replaced meanwhile is not passed."""
+        of the file's headers. ``gaps_now``: the checkpoint is known to be in the page cache,
+        so the bytes between the tensors are hashed on a thread too, as for ``if_cached``. The
+        file is mapped here, so each job is one native call; the mapping keeps the file's
+        identity, so a file replaced meanwhile is not passed."""
         path = self.directory / name
         entries = record["tensors"]
         order = sorted(
