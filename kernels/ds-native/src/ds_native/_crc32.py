@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from ds_native import _ext
 from ds_native._simd import requested_simd_code
@@ -92,8 +92,7 @@ def crc32_spans(
     """
     view = memoryview(data).cast("B")
     with view:
-        size = view.nbytes
-        starts, lengths = checked_spans("crc32_spans", spans, size)
+        starts, lengths = checked_spans("crc32_spans", spans, view.nbytes)
         code = native_code(simd)
         if not spans:
             return []
@@ -103,22 +102,31 @@ def crc32_spans(
                 value = zlib.crc32(view[a : a + n], value if chained else 0)
                 out.append(value)
             return out
-        ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
-        count = len(starts)
-        crcs = ffi.new("uint32_t[]", count)
-        with ffi.from_buffer(view) as buffer:
-            status = lib.ds_native_crc32_spans(
-                buffer,
-                size,
-                ffi.new("uint64_t[]", starts),
-                ffi.new("uint64_t[]", lengths),
-                count,
-                int(chained),
-                code,
-                crcs,
-            )
-        assert status == 0  # the spans were checked above
-        return list(crcs)
+        kernel = _ext.EXTENSION.lib.ds_native_crc32_spans
+        return native_span_crcs(kernel, view, starts, lengths, int(chained), code)
+
+
+def native_span_crcs(
+    kernel: Any, view: memoryview, starts: list[int], lengths: list[int], *args: Any
+) -> list[int]:
+    """Run a C kernel over spans of ``view`` (checked by :func:`checked_spans`):
+    ``kernel(source, size, starts, lengths, count, *args, crcs)``, the one calling convention of
+    ``ds_native_crc32_spans`` and ``ds_native_crc32_copy_spans``; the CRC-32 it wrote per span."""
+    ffi = _ext.EXTENSION.ffi
+    count = len(starts)
+    crcs = ffi.new("uint32_t[]", count)
+    with ffi.from_buffer(view) as source:
+        status = kernel(
+            source,
+            view.nbytes,
+            ffi.new("uint64_t[]", starts),
+            ffi.new("uint64_t[]", lengths),
+            count,
+            *args,
+            crcs,
+        )
+    assert status == 0  # the spans were checked
+    return list(crcs)
 
 
 def checked_spans(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_native import _ext
-from ds_native._crc32 import checked_spans, native_code
+from ds_native._crc32 import checked_spans, native_code, native_span_crcs
 from ds_native.api import Crc32Simd
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ def crc32_copy_spans(
         )
     with contextlib.ExitStack() as stack:
         view = stack.enter_context(memoryview(data).cast("B"))
-        size = view.nbytes
-        starts, lengths = checked_spans("crc32_copy_spans", spans, size)
+        starts, lengths = checked_spans("crc32_copy_spans", spans, view.nbytes)
         targets = [
             stack.enter_context(_Destination(out, n, i))
             for i, (out, n) in enumerate(zip(outs, lengths))
@@ -78,22 +77,9 @@ def crc32_copy_spans(
                 crcs.append(zlib.crc32(view[a : a + n]))
             return crcs
         ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
-        count = len(starts)
-        crcs = ffi.new("uint32_t[]", count)
         pointers = ffi.new("void *[]", [target.pointer(ffi, stack) for target in targets])
-        with ffi.from_buffer(view) as source:
-            status = lib.ds_native_crc32_copy_spans(
-                source,
-                size,
-                ffi.new("uint64_t[]", starts),
-                ffi.new("uint64_t[]", lengths),
-                count,
-                pointers,
-                code,
-                crcs,
-            )
-        assert status == 0  # the spans were checked above
-        return list(crcs)
+        kernel = lib.ds_native_crc32_copy_spans
+        return native_span_crcs(kernel, view, starts, lengths, pointers, code)
 
 
 class _Destination:
