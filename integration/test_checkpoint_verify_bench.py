@@ -81,6 +81,10 @@ def test_one_process_prints_a_row_per_setting_and_the_phases() -> None:
     whole = next(line for line in out.splitlines() if line.startswith("| whole load |"))
     assert all(float(cell) > 1 for cell in whole.strip("|").split("|")[1:]), whole  # ms, not s
     assert "| PendingVerification.wait |" in out
+    faults = re.search(
+        r"^\| minor page faults \(median, not ms\) \| ([0-9]+) \| ([0-9]+) \|$", out, re.M
+    )
+    assert faults is not None, out  # counts, one per arm
 
 
 def test_several_processes_give_the_median_and_each_process() -> None:

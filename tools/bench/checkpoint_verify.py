@@ -43,6 +43,11 @@ missed or not settled by that many processes.
 process (nothing allocated or mapped before it, the page cache warm), in N processes per arm,
 the arms alternating; the overhead of each pair of processes (one of each arm, one after the
 other) gives the median and its 95% interval.
+
+``--phases``, and each process's line under ``--processes``, also give the median count of
+minor page faults a load takes in each arm (the whole process's): a load that writes into
+memory the process never wrote before faults in each page, which can cost as much as the copy
+(ds-zero's [Note: copying while verifying]).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -200,6 +206,13 @@ def _phase_timer(spans: dict[str, list[float]]) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far (all threads): a load that writes into memory
+    the process never wrote before faults each page in (ds-zero's [Note: copying while
+    verifying])."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _drop_cached_pages(folder: str) -> None:
     """Evict every file of ``folder`` from the page cache (clean pages: flushed first)."""
     for directory, _, files in os.walk(folder):
@@ -224,6 +237,7 @@ def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
         engine.load_checkpoint(root, tag="bench", **load)
     wall: dict[str, list[float]] = {arm: [] for arm in _ARMS}
     cpu: dict[str, list[float]] = {arm: [] for arm in _ARMS}
+    faults: dict[str, list[int]] = {arm: [] for arm in _ARMS}
     spans: dict[str, dict[str, list[float]]] = {arm: {} for arm in _ARMS}
 
     def timed(arm: str) -> None:
@@ -238,10 +252,12 @@ def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
             _unverified() if arm == "without verify" else contextlib.nullcontext(),
             phases,
         ):
+            faulted = _minor_faults()
             start, start_cpu = time.perf_counter(), time.process_time()
             engine.load_checkpoint(root, tag="bench", **load)
             wall[arm].append(time.perf_counter() - start)
             cpu[arm].append(time.process_time() - start_cpu)
+            faults[arm].append(_minor_faults() - faulted)
 
     for i in range(args.rounds):  # alternate which arm goes first
         for arm in _ARMS[:: 1 if i % 2 == 0 else -1]:
@@ -251,6 +267,7 @@ def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
         "paired": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3,
         "wall": {arm: statistics.median(v) for arm, v in wall.items()},
         "cpu": {arm: statistics.median(v) for arm, v in cpu.items()},
+        "faults": {arm: statistics.median(v) for arm, v in faults.items()},
         "spans": spans,
         "times": wall,
     }
@@ -368,8 +385,16 @@ def _in_processes(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], flo
         if proc.returncode != 0:
             raise SystemExit(f"process {i + 1} of {args.processes} failed:\n{proc.stderr[-3000:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        paired = ", ".join(f"{100 * row[1]['paired'][1]:+.1f}%" for row in runs[-1]["rows"])
-        print(f"process {i + 1}/{args.processes}: paired overhead {paired}", file=sys.stderr)
+        paired = ", ".join(
+            f"{100 * r['paired'][1]:+.1f}% ({r['faults'][_ARMS[0]]:.0f} / "
+            f"{r['faults'][_ARMS[1]]:.0f} faults)"
+            for _, r in runs[-1]["rows"]
+        )
+        print(
+            f"process {i + 1}/{args.processes}: paired overhead (median minor page faults a "
+            f"load without / with verify) {paired}",
+            file=sys.stderr,
+        )
     rows = []
     for k, (name, _) in enumerate(runs[0]["rows"]):
         results = [run["rows"][k][1] for run in runs]
@@ -382,7 +407,7 @@ def _in_processes(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], flo
                     "each": each,
                     **{
                         key: {arm: statistics.median(r[key][arm] for r in results) for arm in _ARMS}
-                        for key in ("wall", "cpu")
+                        for key in ("wall", "cpu", "faults")
                     },
                 },
             )
@@ -414,7 +439,7 @@ def main() -> None:
     else:
         rows, params = _measure_here(args)
     if args.json:
-        keep = ("paired", "wall", "cpu")
+        keep = ("paired", "wall", "cpu", "faults")
         out = [(name, {k: result[k] for k in keep}) for name, result in rows]
         print(json.dumps({"rows": out, "params": params}))
         return
@@ -456,7 +481,7 @@ def main() -> None:
     if args.phases:
         for name, result in rows:
             print(f"\n{name}")
-            _print_phases(result["spans"], result["times"])
+            _print_phases(result["spans"], result["times"], result["faults"])
 
 
 def _first_child(args: argparse.Namespace, root: str, arm: str) -> None:
@@ -537,7 +562,11 @@ def _interval_line(each: list[float]) -> str:
     return f"95% interval for the median: {where}the {100 * TARGET:.0f}% target: {verdict}"
 
 
-def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, list[float]]) -> None:
+def _print_phases(
+    spans: dict[str, dict[str, list[float]]],
+    times: dict[str, list[float]],
+    faults: dict[str, float],
+) -> None:
     """The median milliseconds of each phase per arm (a phase first met in a later load counts 0
     in the earlier ones)."""
     print("| phase (median ms) | without verify | with verify |")
@@ -553,6 +582,9 @@ def _print_phases(spans: dict[str, dict[str, list[float]]], times: dict[str, lis
     print(
         f"| whole load | {statistics.median(times['without verify']) * 1e3:.2f} | "
         f"{statistics.median(times['with verify']) * 1e3:.2f} |"
+    )
+    print(
+        f"| minor page faults (median, not ms) | {faults[_ARMS[0]]:.0f} | {faults[_ARMS[1]]:.0f} |"
     )
 
 
