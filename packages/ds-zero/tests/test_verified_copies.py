@@ -5,6 +5,8 @@ split across the ranks' files; the copies go with the check."""
 
 from __future__ import annotations
 
+import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -132,3 +134,86 @@ def test_a_file_the_loader_reads_itself_is_not_copied(
         pending.hash_loaded(tmp_path / name, torch.load(tmp_path / name, weights_only=True))
         pending.wait()
         assert pending.verified_copy(tmp_path / name, "module/w") is None
+
+
+def _mapping_of(address: int) -> list[str] | None:
+    """The ``/proc/self/smaps`` lines of the mapping holding ``address`` (None: unmapped)."""
+    found: list[str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            if found is not None:
+                return found
+            low, high = (int(x, 16) for x in head.groups())
+            found = [line] if low <= address < high else None
+        elif found is not None:
+            found.append(line)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux")
+def test_copies_of_2_mib_or_more_are_in_memory_advised_huge_pages() -> None:
+    """Where the kernel offers transparent huge pages, a copy buffer of 2 MiB or more is an
+    anonymous mapping of its own, 2 MiB-aligned and eligible for them (a few faults of 2 MiB
+    instead of thousands of 4 KiB), returned to the system once no tensor views it."""
+    import gc
+
+    from ds_zero._verified_copies import fresh_bytes, huge_pages_offered
+
+    if not huge_pages_offered():
+        pytest.skip("this kernel offers no transparent huge pages")
+    memory = fresh_bytes(3 << 20)
+    address = memory.data_ptr()
+    assert memory.numel() == 3 << 20 and address % (2 << 20) == 0
+    assert memory.untyped_storage().nbytes() == (3 << 20) + (2 << 20)  # the mapping's own
+    smaps = _mapping_of(address)
+    assert smaps is not None
+    assert any(re.fullmatch(r"THPeligible:\s+1", line) for line in smaps)
+    flags = next(line for line in smaps if line.startswith("VmFlags:")).split()
+    assert "hg" in flags  # advised MADV_HUGEPAGE
+    memory.fill_(7)  # written through
+    assert int(memory[-1]) == 7
+    del memory
+    gc.collect()
+    assert _mapping_of(address) is None
+
+
+def test_small_copies_and_kernels_without_huge_pages_use_torch_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ds_zero import _verified_copies
+
+    small = _verified_copies.fresh_bytes((2 << 20) - 1)
+    assert small.untyped_storage().nbytes() == (2 << 20) - 1  # torch.empty's, exactly
+    monkeypatch.setattr(_verified_copies, "huge_pages_offered", lambda: False)
+    big = _verified_copies.fresh_bytes(4 << 20)
+    assert big.untyped_storage().nbytes() == 4 << 20
+
+
+def test_copies_are_carved_apart_aligned_and_shaped_as_recorded() -> None:
+    """Each tensor of a file gets its own bytes of the one buffer: 64-byte aligned, its
+    recorded dtype and shape, no two overlapping (so writing one leaves the others)."""
+    from ds_zero._verified_copies import CopiedTensors
+
+    entries = {
+        "a": {"dtype": "torch.float32", "shape": [1024, 1024], "nbytes": 4 << 20},
+        "b": {"dtype": "torch.bfloat16", "shape": [3], "nbytes": 6},
+        "c": {"dtype": "torch.float64", "shape": [5, 2], "nbytes": 80},
+    }
+    order = ["b", "a", "c"]
+    assert CopiedTensors.possible(entries, order)
+    copies = CopiedTensors(entries, order)
+    tensors = {n: copies.tensor(n) for n in order}
+    spans = []
+    for name, t in tensors.items():
+        assert t is not None and t.data_ptr() % 64 == 0
+        assert str(t.dtype) == entries[name]["dtype"]
+        assert list(t.shape) == entries[name]["shape"] and t.is_contiguous()
+        spans.append((t.data_ptr(), t.data_ptr() + entries[name]["nbytes"]))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    for value, t in enumerate(tensors.values()):
+        assert t is not None
+        t.fill_(value)
+    assert [float(t.flatten()[-1]) for t in tensors.values() if t is not None] == [0, 1, 2]
+    assert copies.nbytes == (4 << 20) + 86
