@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, on_disk, spans_crc
-from ds_zero._read_checks import _AHEAD_JOB, HelpedPool, ahead_jobs
+from ds_zero._read_checks import _AHEAD_COPY_JOB, _AHEAD_JOB, HelpedPool, ahead_jobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ds_zero_testing import drop_cached_pages
@@ -135,3 +135,17 @@ def test_a_file_hashed_ahead_is_split_into_few_jobs() -> None:
         assert [span for job in jobs for span in job] == big
         assert all(sum(n for _, n in job) >= _AHEAD_JOB for job in jobs[:-1])
     assert ahead_jobs([], threads=8) == []
+
+
+def test_a_file_copied_out_as_hashed_is_split_into_jobs_of_a_few_ms() -> None:
+    """Jobs that copy as they hash (about four times the work a byte) are no smaller than
+    _AHEAD_COPY_JOB: 40 MiB of masters is five jobs on an 8-thread host, still one on a
+    1-thread one, and every span is in exactly one job, in order."""
+    mib = 1 << 20
+    small = [(i * 2 * mib, 2 * mib) for i in range(20)]  # 40 MiB in 2 MiB tensors
+    jobs = ahead_jobs(small, threads=8, copying=True)
+    assert len(jobs) == 40 * mib // _AHEAD_COPY_JOB == 5
+    assert [span for job in jobs for span in job] == small
+    assert all(sum(n for _, n in job) >= _AHEAD_COPY_JOB for job in jobs[:-1])
+    assert ahead_jobs(small, threads=1, copying=True) == [small]
+    assert len(ahead_jobs(small, threads=2, copying=True)) == 2

@@ -516,9 +516,9 @@ class PendingVerification:
         self._mapped[name] = mapped
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
-        # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
-        runs = ahead_jobs(spans, self._threads)
         copies = self._copy_target(name, entries, order)
+        # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
+        runs = ahead_jobs(spans, self._threads, copying=copies is not None)
         if copies is None:
             jobs = [self._pool.submit(mapped.crcs, run) for run in runs]
         else:  # copied out as hashed (see [Note: copying while verifying])

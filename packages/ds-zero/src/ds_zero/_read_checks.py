@@ -156,14 +156,25 @@ def runs(
 #   read-ahead skipped for pages already in memory ([Note: read-ahead of mapped shards]), that
 #   load's verification overhead went from +7.1% to +4.6% on an idle 16-core host (three
 #   processes each; the two changes were not measured apart there).
+# - A job that also copies the bytes out (ds-zero's [Note: copying while verifying]) costs
+#   about four times the hashing a byte: 40 MB of masters, one job, took its thread 14-19 ms
+#   on the idle 16-core host (copied into fresh huge pages), while the loader, left nothing to
+#   copy itself, waited 4-12 ms for it at the verdict. Such jobs are no smaller than
+#   _AHEAD_COPY_JOB, again about 4 ms of work: the 40 MB are five jobs on the host's eight
+#   threads, and still one on a 2-core machine's one thread. Two threads of the 2-core VM
+#   copied and hashed the 40 MB in 10 ms as two jobs, 18.5 ms as one.
 _AHEAD_JOB = 48 << 20
+_AHEAD_COPY_JOB = 8 << 20
 
 
-def ahead_jobs(spans: Sequence[tuple[int, int]], threads: int) -> list[list[tuple[int, int]]]:
+def ahead_jobs(
+    spans: Sequence[tuple[int, int]], threads: int, *, copying: bool = False
+) -> list[list[tuple[int, int]]]:
     """``(offset, bytes)`` spans of a file in runs, one job each, for ``threads`` checksum
-    threads hashing it ahead of the loader (see [Note: jobs hashing ahead])."""
+    threads hashing it ahead of the loader, and copying it out if ``copying`` (see [Note:
+    jobs hashing ahead])."""
     share = sum(n for _, n in spans) // max(1, threads)
-    return runs(spans, lambda span: span[1], max(share, _AHEAD_JOB))
+    return runs(spans, lambda span: span[1], max(share, _AHEAD_COPY_JOB if copying else _AHEAD_JOB))
 
 
 def batches(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
