@@ -30,8 +30,8 @@ system: in every load on the idle 16-core host (11,336 faults a 10M-parameter lo
 half of them on the VM, and in a job's one load always. So where Linux offers transparent
 huge pages (``always`` or ``madvise`` in ``/sys/kernel/mm/transparent_hugepage/enabled``), a
 buffer of 2 MiB or more is an anonymous mapping aligned to 2 MiB and advised
-``MADV_HUGEPAGE``: a fault a 2 MiB page instead of one a 4 KiB page (40 MB into fresh huge
-pages: 8.8 ms on the VM). On the host that load's faults went to 1,106-1,115, its copying
+``MADV_HUGEPAGE``: one fault per 2 MiB page instead of one per 4 KiB page (40 MB into fresh
+huge pages: 8.8 ms on the VM). On the host that load's faults went to 1,106-1,115, its copying
 thread's time from 27-35 ms to 14-19 ms, and the loader's wait for the verdict from 19-27 ms
 to 5-10 ms (8 processes each way, ``checkpoint_verify.py --phases``). Elsewhere the buffer is
 ``torch.empty``'s. The mapping is returned to the system when the last tensor viewing it is
@@ -97,9 +97,10 @@ def fresh_bytes(nbytes: int) -> torch.Tensor:
 
 
 class CopiedTensors:
-    """Tensors of one file (named as in its manifest record), each copied into a tensor of its
-    own by checksum jobs over consecutive runs of them (see [Note: copying while verifying]);
-    read with :meth:`tensor` only once those jobs are done and matched."""
+    """Tensors of one file (named as in its manifest record), each copied into bytes of its own
+    in one buffer (:func:`fresh_bytes`) by checksum jobs over consecutive runs of them (see
+    [Note: copying while verifying]); read with :meth:`tensor` only once those jobs are done
+    and matched."""
 
     def __init__(self, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> None:
         # Allocated here, untouched: the copying threads write every byte.
