@@ -568,7 +568,7 @@ def _print_phases(
     faults: dict[str, float],
 ) -> None:
     """The median milliseconds of each phase per arm (a phase first met in a later load counts 0
-    in the earlier ones)."""
+    in the earlier ones), the whole load's, and each arm's median minor page faults."""
     print("| phase (median ms) | without verify | with verify |")
     print("|---|---|---|")
     labels = dict.fromkeys(k for arm in spans.values() for k in arm)

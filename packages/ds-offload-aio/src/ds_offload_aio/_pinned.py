@@ -14,6 +14,8 @@ is shmem, which has its own THP switch, off by default; hence ``MAP_PRIVATE``. W
 has no huge page to give (THP off, memory fragmented) the mapping keeps 4 KiB pages: same
 behaviour, no error. DeepSpeed pins with ``torch.empty(..., pin_memory=True)``, which needs
 CUDA; with CUDA this package does the same (``cudaHostAlloc`` decides the page size).
+ds-zero maps its verified checkpoint copies the same way, unlocked (ds-zero's [Note: copying
+while verifying]); a change to one mapping should be made to both.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ to 5-10 ms (8 processes each way, ``checkpoint_verify.py --phases``). Elsewhere 
 ``torch.empty``'s. The mapping is returned to the system when the last tensor viewing it is
 freed (the loader copies them into the masters and drops them after the verdict). The kernel
 may back part of it with 4 KiB pages (no free huge page): the old cost, not an error.
+ds-offload-aio's locked buffers are mapped the same way ([Note: huge pages for locked
+buffers]); that allocator is not called here because ds-zero does not depend on ds-offload-aio
+(an extra, for NVMe offload), and because it locks its memory, or pins it where CUDA is,
+which copies read once need not pay for. A change to one mapping should be made to both.
 
 The check now does work the loader did: against a loader that copied ahead on a thread of its
 own without hashing, the check's own cost is the CRC-32 of blocks in the cache (ds-native's
