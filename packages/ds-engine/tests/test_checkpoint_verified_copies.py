@@ -18,7 +18,7 @@ import torch
 from ds_testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_testing import config, loss_of, make_dataset, make_mlp
+from _engine_testing import IN, config, loss_of, make_dataset, make_mlp
 
 TAG = "t"
 SHARD = "zero/zero_shards_rank00000.pt"
@@ -176,3 +176,66 @@ def test_a_master_changed_while_copied_is_refused_though_restored(
     _write_at(root / TAG / SHARD, offset, bytes(b ^ 0x40 for b in good))
     result = _load(root, copy=True, before_verdict=(offset, good))
     assert f"{SHARD} corrupted" in result["refused"], result
+
+
+def _wide_engine(seed: int):
+    import ds_engine
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, 1024), torch.nn.Linear(1024, 1024))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    engine, *_ = ds_engine.initialize(model=model, config=config(zero_optimization=zero))
+    return engine
+
+
+def _weights(engine: Any) -> list[torch.Tensor]:
+    from ds_zero import GatheredParameters
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def _two_loads_body(rank: int, world_size: int, *, root: str) -> dict[str, Any]:
+    """Save two checkpoints of a model with 4 MiB of masters, then load the first into one
+    engine and the second into another, in this process, copying while hashing. Returns each
+    engine's weights as saved and after both loads, and the copy buffers kept after each
+    load."""
+    from ds_zero import _integrity, _verified_copies
+
+    saved_weights = []
+    for seed in (1, 2):
+        engine = _wide_engine(seed)
+        engine.save_checkpoint(root, tag=f"s{seed}")
+        saved_weights.append(_weights(engine))
+    saved = _integrity.spare_core, _integrity.in_page_cache
+    _integrity.spare_core = lambda: True  # hashed (and copied) ahead, as on a spare core
+    _integrity.in_page_cache = lambda path, offsets: True
+    kept = []
+    try:
+        first, second = _wide_engine(3), _wide_engine(4)
+        first.load_checkpoint(root, tag="s1", load_optimizer_states=False)
+        kept.append([id(r) for r in _verified_copies._kept])
+        second.load_checkpoint(root, tag="s2", load_optimizer_states=False)
+        kept.append([id(r) for r in _verified_copies._kept])
+    finally:
+        _integrity.spare_core, _integrity.in_page_cache = saved
+    return {"saved": saved_weights, "loaded": [_weights(first), _weights(second)], "kept": kept}
+
+
+@needs_kernel
+def test_a_second_load_reuses_the_first_loads_copy_buffer_and_leaves_its_weights(
+    tmp_path: Path,
+) -> None:
+    """The copy buffer of a masters-only load is kept for the next load (ds-zero's [Note: copy
+    buffers kept for the next load]): the second load copies into the same one, and the
+    first engine's weights, taken out of that buffer by its load, are not changed by it."""
+    from ds_zero._verified_copies import huge_pages_offered
+
+    if not huge_pages_offered():
+        pytest.skip("this kernel offers no transparent huge pages: copies use torch.empty")
+    (result,) = run_on_ranks(_two_loads_body, 1, root=str(tmp_path / "ckpt"), timeout=300)
+    assert len(result["kept"][0]) == 1 and result["kept"][1] == result["kept"][0]
+    for loaded, saved in zip(result["loaded"], result["saved"], strict=True):
+        assert _same(loaded, saved)
+    assert not _same(result["saved"][0], result["saved"][1])

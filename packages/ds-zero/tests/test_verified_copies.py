@@ -9,6 +9,7 @@ import itertools
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,18 +152,50 @@ def _mapping_of(address: int) -> list[str] | None:
     return found
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux")
-def test_copies_of_2_mib_or_more_are_in_memory_advised_huge_pages() -> None:
+needs_huge_pages = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="transparent huge pages: Linux"
+)
+
+
+def _huge_pages_or_skip() -> None:
+    from ds_zero._verified_copies import huge_pages_offered
+
+    if not huge_pages_offered():
+        pytest.skip("this kernel offers no transparent huge pages")
+
+
+def _copies(nbytes: int) -> Any:
+    """The copies of one file holding one uint8 tensor ``"t"`` of ``nbytes``."""
+    from ds_zero._verified_copies import CopiedTensors
+
+    entries = {"t": {"dtype": "torch.uint8", "shape": [nbytes], "nbytes": nbytes}}
+    return CopiedTensors(entries, ["t"])
+
+
+def _lazy_free_kib(smaps: list[str]) -> int:
+    return int(next(line for line in smaps if line.startswith("LazyFree:")).split()[1])
+
+
+@pytest.fixture
+def no_kept_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start the test with no copy buffer kept (an earlier test's would be reused)."""
+    from ds_zero import _verified_copies
+
+    monkeypatch.setattr(_verified_copies, "_kept", [])
+
+
+@needs_huge_pages
+def test_copies_of_2_mib_or_more_are_in_memory_advised_huge_pages(no_kept_buffers: None) -> None:
     """Where the kernel offers transparent huge pages, a copy buffer of 2 MiB or more is an
     anonymous mapping of its own, 2 MiB-aligned and eligible for them (a few faults of 2 MiB
     instead of thousands of 4 KiB), returned to the system once no tensor views it."""
     import gc
 
-    from ds_zero._verified_copies import fresh_bytes, huge_pages_offered
+    from ds_zero._verified_copies import copy_buffer
 
-    if not huge_pages_offered():
-        pytest.skip("this kernel offers no transparent huge pages")
-    memory = fresh_bytes(3 << 20)
+    _huge_pages_or_skip()
+    memory, region = copy_buffer(3 << 20)
+    assert region is not None
     address = memory.data_ptr()
     assert memory.numel() == 3 << 20 and address % (2 << 20) == 0
     assert memory.untyped_storage().nbytes() == (3 << 20) + (2 << 20)  # the mapping's own
@@ -173,9 +206,79 @@ def test_copies_of_2_mib_or_more_are_in_memory_advised_huge_pages() -> None:
     assert "hg" in flags  # advised MADV_HUGEPAGE
     memory.fill_(7)  # written through
     assert int(memory[-1]) == 7
-    del memory
+    del memory, region  # never kept
     gc.collect()
     assert _mapping_of(address) is None
+
+
+@needs_huge_pages
+def test_a_released_buffer_is_kept_lazily_freed_and_lent_to_the_next_load(
+    no_kept_buffers: None,
+) -> None:
+    """Released, a file's copy buffer stays mapped, advised ``MADV_FREE`` (the kernel may take
+    its pages back, else the next load writes them without a fault), and the next file of its
+    size or smaller is copied into it."""
+    _huge_pages_or_skip()
+    first = _copies(4 << 20)
+    t = first.tensor("t")
+    assert t is not None
+    t.fill_(1)
+    address = t.data_ptr()
+    del t
+    first.release()
+    assert first.tensor("t") is None
+    smaps = _mapping_of(address)
+    assert smaps is not None and _lazy_free_kib(smaps) > 0
+    second = _copies(3 << 20)
+    t = second.tensor("t")
+    assert t is not None and t.data_ptr() == address
+    t.fill_(2)
+    assert _lazy_free_kib(_mapping_of(address) or []) == 0  # written: the pages are kept
+    del t
+    second.release()
+    bigger = _copies(5 << 20).tensor("t")  # more than it holds: a new buffer
+    assert bigger is not None and bigger.data_ptr() != address
+
+
+@needs_huge_pages
+def test_a_buffer_still_viewed_is_not_kept_and_its_values_stay(no_kept_buffers: None) -> None:
+    """A copy the caller still holds (``iter_fp32_tensors`` hands its tensors out) keeps its
+    buffer out of the kept ones: a later load copies elsewhere and leaves its values."""
+    from ds_zero import _verified_copies
+
+    _huge_pages_or_skip()
+    first = _copies(4 << 20)
+    held = first.tensor("t")
+    assert held is not None
+    held.fill_(1)
+    first.release()
+    assert _verified_copies._kept == []
+    later = _copies(4 << 20).tensor("t")
+    assert later is not None and later.data_ptr() != held.data_ptr()
+    later.fill_(2)
+    assert bool((held == 1).all())
+
+
+@needs_huge_pages
+def test_buffers_kept_beyond_the_budget_are_unmapped_largest_first(
+    no_kept_buffers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ds_zero import _verified_copies
+
+    _huge_pages_or_skip()
+    monkeypatch.setattr(_verified_copies, "_KEEP_BYTES", 7 << 20)
+    files = [_copies(n << 20) for n in (2, 4, 3)]  # all alive at once: three buffers
+    addresses = []
+    for copies in files:
+        t = copies.tensor("t")
+        assert t is not None
+        addresses.append(t.data_ptr())
+        del t
+    for copies in files:
+        copies.release()
+    assert sorted(r.capacity for r in _verified_copies._kept) == [2 << 20, 3 << 20]
+    assert _mapping_of(addresses[1]) is None  # the 4 MiB one
+    assert _mapping_of(addresses[0]) is not None and _mapping_of(addresses[2]) is not None
 
 
 def test_small_copies_and_kernels_without_huge_pages_use_torch_memory(
@@ -183,11 +286,12 @@ def test_small_copies_and_kernels_without_huge_pages_use_torch_memory(
 ) -> None:
     from ds_zero import _verified_copies
 
-    small = _verified_copies.fresh_bytes((2 << 20) - 1)
+    small, region = _verified_copies.copy_buffer((2 << 20) - 1)
+    assert region is None
     assert small.untyped_storage().nbytes() == (2 << 20) - 1  # torch.empty's, exactly
     monkeypatch.setattr(_verified_copies, "huge_pages_offered", lambda: False)
-    big = _verified_copies.fresh_bytes(4 << 20)
-    assert big.untyped_storage().nbytes() == 4 << 20
+    big, region = _verified_copies.copy_buffer(4 << 20)
+    assert region is None and big.untyped_storage().nbytes() == 4 << 20
 
 
 def test_copies_are_carved_apart_aligned_and_shaped_as_recorded() -> None:

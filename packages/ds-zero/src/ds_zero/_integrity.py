@@ -733,6 +733,8 @@ class PendingVerification:
             later = HelpedPool(self._threads).later
             for mapped in self._mapped.values():
                 later(mapped.close)
+        for copies in self._copies.values():
+            copies.release()
         self._mapped, self._copies = {}, {}
 
     def __enter__(self) -> PendingVerification:

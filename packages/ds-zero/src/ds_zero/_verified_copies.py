@@ -34,9 +34,9 @@ buffer of 2 MiB or more is an anonymous mapping aligned to 2 MiB and advised
 huge pages: 8.8 ms on the VM). On the host that load's faults went to 1,106-1,115, its copying
 thread's time from 27-35 ms to 14-19 ms, and the loader's wait for the verdict from 19-27 ms
 to 5-10 ms (8 processes each way, ``checkpoint_verify.py --phases``). Elsewhere the buffer is
-``torch.empty``'s. The mapping is returned to the system when the last tensor viewing it is
-freed (the loader copies them into the masters and drops them after the verdict). The kernel
-may back part of it with 4 KiB pages (no free huge page): the old cost, not an error.
+``torch.empty``'s. At the end of the load the buffer is kept for the next one (see [Note: copy
+buffers kept for the next load]). The kernel may back part of it with 4 KiB pages (no free
+huge page): the old cost, not an error.
 ds-offload-aio's locked buffers are mapped the same way ([Note: huge pages for locked
 buffers]); that allocator is not called here because ds-zero does not depend on ds-offload-aio
 (an extra, for NVMe offload), and because it locks its memory, or pins it where CUDA is,
@@ -46,6 +46,29 @@ The check now does work the loader did: against a loader that copied ahead on a 
 own without hashing, the check's own cost is the CRC-32 of blocks in the cache (ds-native's
 copy-and-hash took 10.8 ms for 40 MB on the 2-core VM, the copy alone 7.0 ms:
 ``tools/bench/crc32.py``).
+
+[Note: copy buffers kept for the next load]
+Fresh huge pages still cost their faults and the kernel's zeroing, and on the 2-core VM (a
+Firecracker guest) sometimes much more: 40 MB copied and hashed into a new mapping on a thread
+took 15.6-22.6 ms in 35 of 48 loads and 44.8-101.2 ms in the other 13, 31-83 ms of it in the
+kernel, for the same 20-29 faults (the host behind the guest backing the pages again, it
+seems: the guest had 20 GB free and no compaction stalls). That slow load came back in some processes and not others,
+and made ``checkpoint_verify.py``'s ZeRO-3 weights-only row swing from -10% to +150% between
+processes. Into memory the copies had written before, the same 40 MB took 10.8-15.9 ms in every
+load (11.7-14.8 ms with the memory advised ``MADV_FREE`` between loads), with no system time. A baseline load that reuses glibc's freed memory (as the
+unverified load does in some processes) pays for no fresh page either.
+So :meth:`CopiedTensors.release` (at the end of the load, once no checksum job runs) keeps the
+buffer's region for the next load in this process, advised ``MADV_FREE``: the kernel may take
+its pages back under memory pressure (they are then fresh, zeroed pages again, which the copies
+overwrite), and until it does the next load writes them with no system call and no fault. A
+load takes the smallest kept region that holds its file's copies, or maps a new one. A region
+some tensor still views (``iter_fp32_tensors`` hands the copies out; a loader that kept one)
+is never kept, so no one's values are overwritten: each ``torch.frombuffer`` storage holds a
+reference to the mapping until its last tensor is freed, which :meth:`_Region.viewed` counts.
+A process keeps at most :data:`_KEEP_BYTES` (512 MiB, one load's :data:`COPY_AHEAD_BYTES`),
+unmapping the largest kept regions beyond it; a forked child keeps none of its parent's. The
+cost: after a masters-only load the process holds up to that much lazily freed memory, counted
+in its RSS until the kernel takes it.
 """
 
 from __future__ import annotations
@@ -54,6 +77,9 @@ import contextlib
 import functools
 import math
 import mmap
+import os
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,7 +88,7 @@ import torch
 from ds_zero._read_checks import dtype_of
 from ds_zero._sealed import CheckpointError
 
-__all__ = ["COPY_AHEAD_BYTES", "CopiedTensors", "fresh_bytes", "huge_pages_offered"]
+__all__ = ["COPY_AHEAD_BYTES", "CopiedTensors", "copy_buffer", "huge_pages_offered"]
 
 COPY_AHEAD_BYTES = 512 << 20
 """The most bytes of tensors one load copies out while hashing (see [Note: copying while
@@ -85,24 +111,96 @@ def huge_pages_offered() -> bool:
         return False
 
 
-def fresh_bytes(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of new, untouched memory as a uint8 tensor: for 2 MiB or more where the kernel
-    offers transparent huge pages, an anonymous mapping aligned to 2 MiB and advised to use
-    them, unmapped once no tensor views it; otherwise ``torch.empty`` (see [Note: copying
-    while verifying])."""
+class _Region:
+    """An anonymous mapping advised huge pages, 2 MiB-aligned inside, that copy buffers are
+    lent from (see [Note: copy buffers kept for the next load])."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._mapping = mmap.mmap(
+            -1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        with contextlib.suppress(OSError):  # a kernel built without THP: 4 KiB pages
+            self._mapping.madvise(mmap.MADV_HUGEPAGE)
+        self.capacity = nbytes
+        self._lazy = False  # advised MADV_FREE since its last lending
+
+    def lend(self, nbytes: int) -> torch.Tensor:
+        """The region's first ``nbytes`` (from its first 2 MiB boundary) as a uint8 tensor; the
+        tensor, and every view of it, holds the mapping."""
+        self._lazy = False  # the copies write every byte they read back
+        whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        skip = -whole.data_ptr() % _HUGE_PAGE
+        return whole[skip : skip + nbytes]
+
+    def viewed(self) -> bool:
+        """Whether a tensor still views the region (each ``torch.frombuffer`` storage holds a
+        reference to the mapping until its last tensor is freed)."""
+        return sys.getrefcount(self._mapping) > 2  # this attribute, and the call's argument
+
+    def set_aside(self) -> None:
+        """Let the kernel take the pages back under memory pressure, without a system call or
+        a fault on the next lending while it has not (``MADV_FREE``; an unviewed region)."""
+        if not self._lazy and getattr(mmap, "MADV_FREE", None) is not None:
+            with contextlib.suppress(OSError):  # a kernel before Linux 4.5: stays resident
+                self._mapping.madvise(mmap.MADV_FREE)
+        self._lazy = True
+
+    def close(self) -> None:
+        """Unmap the region (an unviewed one)."""
+        self._mapping.close()
+
+
+_KEEP_BYTES = COPY_AHEAD_BYTES
+"""The most bytes of copy buffers a process keeps between loads (what one load copies)."""
+
+_kept: list[_Region] = []
+_kept_by = os.getpid()  # a forked child starts with none of its own (see _take)
+_kept_lock = threading.Lock()
+
+
+def _take(nbytes: int) -> _Region | None:
+    """The smallest kept region of ``nbytes`` or more that no tensor views, taken out of the
+    kept ones; None if there is none."""
+    global _kept, _kept_by
+    with _kept_lock:
+        if _kept_by != os.getpid():
+            _kept, _kept_by = [], os.getpid()
+        fits = [r for r in _kept if r.capacity >= nbytes and not r.viewed()]
+        if not fits:
+            return None
+        region = min(fits, key=lambda r: r.capacity)
+        _kept.remove(region)
+        return region
+
+
+def _keep(region: _Region) -> None:
+    """Keep ``region`` (no tensor views it) for a later load, advised ``MADV_FREE``, unmapping
+    the largest kept ones beyond :data:`_KEEP_BYTES`."""
+    region.set_aside()
+    with _kept_lock:
+        if _kept_by != os.getpid():
+            return
+        _kept.append(region)
+        while sum(r.capacity for r in _kept) > _KEEP_BYTES:
+            largest = max(_kept, key=lambda r: r.capacity)
+            _kept.remove(largest)
+            largest.close()
+
+
+def copy_buffer(nbytes: int) -> tuple[torch.Tensor, _Region | None]:
+    """``nbytes`` of memory for a file's copies, as a uint8 tensor, and the region it is lent
+    from (None: ``torch.empty``'s memory). For 2 MiB or more where the kernel offers
+    transparent huge pages, a region kept from an earlier load, else a new one; otherwise
+    ``torch.empty`` (see [Note: copying while verifying])."""
     if nbytes < _HUGE_PAGE or not huge_pages_offered():
-        return torch.empty(nbytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel built without THP: 4 KiB pages, as torch.empty's
-        region.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while viewed
-    skip = -whole.data_ptr() % _HUGE_PAGE
-    return whole[skip : skip + nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8), None
+    region = _take(nbytes) or _Region(nbytes)
+    return region.lend(nbytes), region
 
 
 class CopiedTensors:
     """Tensors of one file (named as in its manifest record), each copied into bytes of its own
-    in one buffer (:func:`fresh_bytes`) by checksum jobs over consecutive runs of them (see
+    in one buffer (:func:`copy_buffer`) by checksum jobs over consecutive runs of them (see
     [Note: copying while verifying]); read with :meth:`tensor` only once those jobs are done
     and matched."""
 
@@ -113,7 +211,7 @@ class CopiedTensors:
             end = -(-end // _ALIGN) * _ALIGN
             starts.append(end)
             end += int(entries[n]["nbytes"])
-        memory = fresh_bytes(end)
+        memory, self._region = copy_buffer(end)
         self._tensors = {
             n: memory[at : at + int(entries[n]["nbytes"])]
             .view(dtype_of(entries[n]))
@@ -149,3 +247,11 @@ class CopiedTensors:
         """Tensor ``name`` as copied (its dtype and shape as recorded); None when it was not
         copied."""
         return self._tensors.get(name)
+
+    def release(self) -> None:
+        """Let go of the copies (the load is over): their buffer is kept for the next load if
+        nothing else views it (see [Note: copy buffers kept for the next load])."""
+        region, self._region = self._region, None
+        self._tensors = {}
+        if region is not None and not region.viewed():
+            _keep(region)
