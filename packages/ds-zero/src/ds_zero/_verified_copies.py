@@ -49,26 +49,27 @@ copy-and-hash took 10.8 ms for 40 MB on the 2-core VM, the copy alone 7.0 ms:
 
 [Note: copy buffers kept for the next load]
 Fresh huge pages still cost their faults and the kernel's zeroing, and on the 2-core VM (a
-Firecracker guest) sometimes much more: 40 MB copied and hashed into a new mapping on a thread
-took 15.6-22.6 ms in 35 of 48 loads and 44.8-101.2 ms in the other 13, 31-83 ms of it in the
-kernel, for the same 20-29 faults (the host behind the guest backing the pages again, it
-seems: the guest had 20 GB free and no compaction stalls). That slow load came back in some processes and not others,
-and made ``checkpoint_verify.py``'s ZeRO-3 weights-only row swing from -10% to +150% between
-processes. Into memory the copies had written before, the same 40 MB took 10.8-15.9 ms in every
-load (11.7-14.8 ms with the memory advised ``MADV_FREE`` between loads), with no system time. A baseline load that reuses glibc's freed memory (as the
-unverified load does in some processes) pays for no fresh page either.
+Firecracker guest) sometimes much more. ``tools/bench/copy_buffers.py --mb 40 --processes 6``
+copies and hashes 40 MB on a thread, 54 times into a new mapping and 54 times into the one the
+last round released: new, median 16.7 ms, 90th percentile 88.1 ms, slowest 98.0 ms, 7.0 ms of it
+in the kernel (median), 20 faults; kept, 11.3, 12.9 and 14.3 ms, no kernel time, no fault. Every
+process had slow rounds in new memory (the host behind the guest backing the pages again, it
+seems: the guest had 20 GB free and no compaction stalls), and they made
+``checkpoint_verify.py``'s ZeRO-3 weights-only row swing from -10% to +150% between processes. A
+baseline load that reuses glibc's freed memory (as the unverified load does in some processes)
+pays for no fresh page either.
 So :meth:`CopiedTensors.release` (at the end of the load, once no checksum job runs) keeps the
 buffer's region for the next load in this process, advised ``MADV_FREE``: the kernel may take
 its pages back under memory pressure (they are then fresh, zeroed pages again, which the copies
-overwrite), and until it does the next load writes them with no system call and no fault. A
-load takes the smallest kept region that holds its file's copies, or maps a new one. A region
-some tensor still views (``iter_fp32_tensors`` hands the copies out; a loader that kept one)
-is never kept, so no one's values are overwritten: each ``torch.frombuffer`` storage holds a
-reference to the mapping until its last tensor is freed, which :meth:`_Region.viewed` counts.
-A process keeps at most :data:`_KEEP_BYTES` (512 MiB, one load's :data:`COPY_AHEAD_BYTES`),
-unmapping the largest kept regions beyond it; a forked child keeps none of its parent's. The
-cost: after a masters-only load the process holds up to that much lazily freed memory, counted
-in its RSS until the kernel takes it.
+overwrite), and until it does the next load writes them with no system call and no fault. A load
+takes the smallest kept region that holds its file's copies, or maps a new one. A region some
+tensor still views (``iter_fp32_tensors`` hands the copies out; a loader that kept one) is never
+kept, so no one's values are overwritten: each ``torch.frombuffer`` storage holds a reference to
+the mapping until its last tensor is freed, which :meth:`_Region.viewed` counts. A process keeps
+at most :data:`_KEEP_BYTES` (512 MiB, one load's :data:`COPY_AHEAD_BYTES`), unmapping the
+largest kept regions beyond it; a forked child keeps none of its parent's. The cost: after a
+masters-only load the process holds up to that much lazily freed memory, counted in its RSS
+until the kernel takes it.
 """
 
 from __future__ import annotations
@@ -159,13 +160,13 @@ _kept_lock = threading.Lock()
 
 
 def _take(nbytes: int) -> _Region | None:
-    """The smallest kept region of ``nbytes`` or more that no tensor views, taken out of the
-    kept ones; None if there is none."""
+    """The smallest kept region of ``nbytes`` or more, taken out of the kept ones; None if
+    there is none."""
     global _kept, _kept_by
     with _kept_lock:
         if _kept_by != os.getpid():
             _kept, _kept_by = [], os.getpid()
-        fits = [r for r in _kept if r.capacity >= nbytes and not r.viewed()]
+        fits = [r for r in _kept if r.capacity >= nbytes]  # none viewed (see _keep)
         if not fits:
             return None
         region = min(fits, key=lambda r: r.capacity)
