@@ -8,6 +8,7 @@ import os
 import random
 import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -149,3 +150,35 @@ def test_a_file_copied_out_as_hashed_is_split_into_jobs_of_a_few_ms() -> None:
     assert all(sum(n for _, n in job) >= _AHEAD_COPY_JOB for job in jobs[:-1])
     assert ahead_jobs(small, threads=1, copying=True) == [small]
     assert len(ahead_jobs(small, threads=2, copying=True)) == 2
+
+
+def test_a_job_taken_over_or_dropped_lets_go_of_its_arguments_at_once() -> None:
+    """A job still queued when the waiting thread takes it over (or the pool is shut down)
+    holds its arguments no longer: a copy buffer they view can be kept for the next load
+    before a thread takes the cancelled job off the queue."""
+    import weakref
+
+    class Arg:
+        pass
+
+    pool = HelpedPool(1)
+    busy, free = threading.Event(), threading.Event()
+    first = pool.submit(lambda: (busy.set(), free.wait(10)))  # the one thread is held
+    assert busy.wait(10)
+    taken_arg, dropped_arg = Arg(), Arg()
+    taken_ref, dropped_ref = weakref.ref(taken_arg), weakref.ref(dropped_arg)
+    taken = pool.submit(lambda a: type(a).__name__, taken_arg)
+    dropped = pool.submit(lambda a: None, dropped_arg)
+    del taken_arg, dropped_arg
+    pool.help([taken])  # runs here; still in the executor's queue, cancelled
+    assert pool.result(taken) == "Arg"
+    assert taken_ref() is None
+    stopper = threading.Thread(target=pool.shutdown)  # drops `dropped`, waits for `first`
+    stopper.start()
+    deadline = time.monotonic() + 5
+    while dropped_ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert dropped.cancelled() and dropped_ref() is None
+    free.set()
+    stopper.join(10)
+    assert first.done()

@@ -255,13 +255,17 @@ class HelpedPool:
         if pool is None:
             pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="ds-verify")
         self._pool = pool
-        self._specs: dict[Future[Any], tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+        # Each job's [fn, args]: the executor's queue holds the list, not the arguments, so a
+        # job cancelled there (taken over, or dropped) lets go of them (the loader's tensors, a
+        # copy buffer to keep) at once, not when a thread next takes it off the queue.
+        self._specs: dict[Future[Any], list[Any]] = {}
         self._taken: dict[Future[Any], Future[Any]] = {}
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """``fn(*args)`` on a thread (or in :meth:`help`)."""
-        job = self._pool.submit(fn, *args)
-        self._specs[job] = (fn, args)
+        spec = [fn, args]
+        job = self._pool.submit(_run_spec, spec)
+        self._specs[job] = spec
         return job
 
     def run_here(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -278,7 +282,7 @@ class HelpedPool:
         """``fn(*args)`` as a job no thread takes: it runs in :meth:`help`, or here when its
         :meth:`result` is asked for first."""
         job: Future[Any] = Future()
-        self._specs[job] = (fn, args)
+        self._specs[job] = [fn, args]
         return job
 
     def later(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -289,8 +293,10 @@ class HelpedPool:
         """Run here each of ``jobs`` (from the last) that no thread has started."""
         for job in reversed(jobs):
             spec = self._specs.get(job)
-            if spec is not None and job.cancel():
-                self._taken[job] = self.run_here(spec[0], *spec[1])
+            if spec and job.cancel():
+                fn, args = spec
+                spec.clear()
+                self._taken[job] = self.run_here(fn, *args)
 
     def result(self, job: Future[Any]) -> Any:
         """``job``'s result, wherever it ran (a deferred job nobody helped with runs now)."""
@@ -301,10 +307,21 @@ class HelpedPool:
     def shutdown(self) -> None:
         """Drop the jobs no thread has started, wait for the started ones, and let go of the
         jobs' arguments (the loader's tensors). The threads stay for the next verification."""
-        running = [job for job in self._specs if not job.cancel()]
+        running = []
+        for job, spec in self._specs.items():
+            if job.cancel():
+                spec.clear()
+            else:
+                running.append(job)
         wait(running)
         self._specs.clear()
         self._taken.clear()
+
+
+def _run_spec(spec: list[Any]) -> Any:
+    """A :class:`HelpedPool` job on its thread: ``fn(*args)`` of its ``[fn, args]``."""
+    fn, args = spec
+    return fn(*args)
 
 
 def loaded_matches(

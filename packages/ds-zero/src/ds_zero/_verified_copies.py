@@ -65,11 +65,13 @@ overwrite), and until it does the next load writes them with no system call and 
 takes the smallest kept region that holds its file's copies, or maps a new one. A region some
 tensor still views (``iter_fp32_tensors`` hands the copies out; a loader that kept one) is never
 kept, so no one's values are overwritten: each ``torch.frombuffer`` storage holds a reference to
-the mapping until its last tensor is freed, which :meth:`_Region.viewed` counts. A process keeps
-at most :data:`_KEEP_BYTES` (512 MiB, one load's :data:`COPY_AHEAD_BYTES`), unmapping the
-largest kept regions beyond it; a forked child keeps none of its parent's. The cost: after a
-masters-only load the process holds up to that much lazily freed memory, counted in its RSS
-until the kernel takes it.
+the mapping until its last tensor is freed, which :meth:`_Region.viewed` counts. A copying job
+the waiting loader took over, or that the end of the load dropped, lets go of its copies at once
+(``HelpedPool`` queues a job's arguments in a list it empties), or the buffer would look viewed
+until a thread took the cancelled job off the queue. A process keeps at most :data:`_KEEP_BYTES`
+(512 MiB, one load's :data:`COPY_AHEAD_BYTES`), unmapping the largest kept regions beyond it; a
+forked child keeps none of its parent's. The cost: after a masters-only load the process holds
+up to that much lazily freed memory, counted in its RSS until the kernel takes it.
 """
 
 from __future__ import annotations
