@@ -6,6 +6,7 @@ split across the ranks' files; the copies go with the check."""
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import sys
 from pathlib import Path
@@ -279,6 +280,24 @@ def test_buffers_kept_beyond_the_budget_are_unmapped_largest_first(
     assert sorted(r.capacity for r in _verified_copies._kept) == [2 << 20, 3 << 20]
     assert _mapping_of(addresses[1]) is None  # the 4 MiB one
     assert _mapping_of(addresses[0]) is not None and _mapping_of(addresses[2]) is not None
+
+
+@needs_huge_pages
+def test_a_forked_child_keeps_none_of_its_parents_buffers(no_kept_buffers: None) -> None:
+    """A child forked after a load starts with no kept buffer (its copies of the parent's
+    mappings are not lent) and a lock of its own."""
+    from ds_zero import _verified_copies
+
+    _huge_pages_or_skip()
+    _copies(4 << 20).release()
+    assert len(_verified_copies._kept) == 1
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's verdict is its exit status)
+        ok = _verified_copies._kept == [] and not _verified_copies._kept_lock.locked()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(_verified_copies._kept) == 1  # the parent's own stays
 
 
 def test_small_copies_and_kernels_without_huge_pages_use_torch_memory(

@@ -125,12 +125,10 @@ class _Region:
         with contextlib.suppress(OSError):  # a kernel built without THP: 4 KiB pages
             self._mapping.madvise(mmap.MADV_HUGEPAGE)
         self.capacity = nbytes
-        self._lazy = False  # advised MADV_FREE since its last lending
 
     def lend(self, nbytes: int) -> torch.Tensor:
         """The region's first ``nbytes`` (from its first 2 MiB boundary) as a uint8 tensor; the
         tensor, and every view of it, holds the mapping."""
-        self._lazy = False  # the copies write every byte they read back
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
         skip = -whole.data_ptr() % _HUGE_PAGE
         return whole[skip : skip + nbytes]
@@ -142,11 +140,11 @@ class _Region:
 
     def set_aside(self) -> None:
         """Let the kernel take the pages back under memory pressure, without a system call or
-        a fault on the next lending while it has not (``MADV_FREE``; an unviewed region)."""
-        if not self._lazy and getattr(mmap, "MADV_FREE", None) is not None:
+        a fault on the next lending while it has not (``MADV_FREE``; an unviewed region, whose
+        next copies write every byte they read back)."""
+        if getattr(mmap, "MADV_FREE", None) is not None:
             with contextlib.suppress(OSError):  # a kernel before Linux 4.5: stays resident
                 self._mapping.madvise(mmap.MADV_FREE)
-        self._lazy = True
 
     def close(self) -> None:
         """Unmap the region (an unviewed one)."""
@@ -157,17 +155,23 @@ _KEEP_BYTES = COPY_AHEAD_BYTES
 """The most bytes of copy buffers a process keeps between loads (what one load copies)."""
 
 _kept: list[_Region] = []
-_kept_by = os.getpid()  # a forked child starts with none of its own (see _take)
 _kept_lock = threading.Lock()
+
+
+def _forget_kept() -> None:
+    """In a forked child: none of the parent's regions, and a lock no parent thread holds."""
+    global _kept, _kept_lock
+    _kept, _kept_lock = [], threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_kept)
 
 
 def _take(nbytes: int) -> _Region | None:
     """The smallest kept region of ``nbytes`` or more, taken out of the kept ones; None if
     there is none."""
-    global _kept, _kept_by
     with _kept_lock:
-        if _kept_by != os.getpid():
-            _kept, _kept_by = [], os.getpid()
         fits = [r for r in _kept if r.capacity >= nbytes]  # none viewed (see _keep)
         if not fits:
             return None
@@ -181,8 +185,6 @@ def _keep(region: _Region) -> None:
     the largest kept ones beyond :data:`_KEEP_BYTES`."""
     region.set_aside()
     with _kept_lock:
-        if _kept_by != os.getpid():
-            return
         _kept.append(region)
         while sum(r.capacity for r in _kept) > _KEEP_BYTES:
             largest = max(_kept, key=lambda r: r.capacity)
