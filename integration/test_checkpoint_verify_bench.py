@@ -9,14 +9,14 @@ docs/checkpoints.md carry those).
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
 import sys
 import types
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _bench_run import ROOT, run_bench
 
 
 def _helper(name: str) -> types.ModuleType:
@@ -44,14 +44,7 @@ ROW = re.compile(
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "tools/bench/checkpoint_verify.py"), *TINY, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    return run_bench("checkpoint_verify.py", *TINY, *args, timeout=600)
 
 
 def _run(*args: str) -> str:

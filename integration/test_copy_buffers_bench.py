@@ -4,7 +4,6 @@ are refused."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
@@ -12,18 +11,12 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tools/bench/copy_buffers.py"
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _bench_run import run_bench
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    return run_bench("copy_buffers.py", *args)
 
 
 def test_a_line_per_process_and_a_row_per_buffer() -> None:

@@ -3,24 +3,17 @@ contender and what hashing adds to the copy; bad sizes are refused."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "tools/bench/crc32.py"
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _bench_run import run_bench
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    return run_bench("crc32.py", *args)
 
 
 def test_a_row_per_contender_and_the_added_cost() -> None:
