@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from ds_zero._integrity import ChunkedCrcWriter, file_problem
+from ds_zero._file_problem import file_problem
+from ds_zero._integrity import ChunkedCrcWriter
 from ds_zero._read_checks import dtype_of, holds_value
 from ds_zero._readahead import read_ahead
 from ds_zero._sealed import (
