@@ -70,6 +70,7 @@ def test_one_process_prints_a_row_per_setting_and_the_phases() -> None:
         assert without > 0 and with_ > 0
         assert low <= paired <= high
     assert "cold page cache" in out
+    assert "without verify, the model file read into memory" in out
     assert "| phase (median ms) |" in out
     whole = next(line for line in out.splitlines() if line.startswith("| whole load |"))
     assert all(float(cell) > 1 for cell in whole.strip("|").split("|")[1:]), whole  # ms, not s
@@ -91,6 +92,16 @@ def test_several_processes_give_the_median_and_each_process() -> None:
     assert low <= paired <= high
     assert "2 processes of 2 alternating rounds each" in out
     assert "the 5% target: not settled: too few values for the interval" in out, out
+
+
+def test_the_mapped_baseline_maps_the_model_file_in_every_process() -> None:
+    """``--mapped-baseline``: the unchecked arm maps the model file and uses it in place, in the
+    child processes too (the header says so; the rows are there)."""
+    out = _run("--stage", "2", "--no-optimizer-states", "--processes", "2", "--mapped-baseline")
+    assert "without verify, the model file mapped and used in place" in out, out
+    assert list(_rows(out)) == ["weights only (load_optimizer_states=False)"], out
+    first = _run("--stage", "2", "--no-optimizer-states", "--first-loads", "1", "--mapped-baseline")
+    assert "without verify, the model file mapped and used in place" in first, first
 
 
 def test_first_loads_time_one_load_of_each_fresh_process() -> None:

@@ -10,7 +10,11 @@ checkpoint ``--rounds`` times each way, the two arms alternating which goes firs
   as it reads them, see ds-zero's [Note: verifying what the loader read]; the files it does
   not read hashed on threads), the zero manifest's seal, bindings and coverage checked, the
   verdict agreed, then the values written;
-* ``without verify``: the same load with the checks replaced by no-ops.
+* ``without verify``: the same load with the checks replaced by no-ops. The loader then reads
+  the model file's tensors into memory (``torch.load``); with ``--mapped-baseline`` it maps the
+  file and uses the tensors in place, as it does under the check (which copies them out as it
+  hashes them, see ds-zero's [Note: copying the file the loader reads whole]): the fastest
+  unchecked read, against which the check's hashing and copying are all cost.
 
 The table gives, per setting, the median wall time of each arm, the overhead (with / without
 - 1; the target is under 5%), the paired overhead (the median over rounds of each round's
@@ -91,15 +95,26 @@ def _engine(params_m: float, width: int, stage: int):
 
 
 class _NoCheck:
-    """A pending verification that checks nothing (what loading cost before the checks)."""
+    """A pending verification that checks nothing (what loading cost before the checks).
+    ``mapped``: the loader maps the model file and uses its tensors in place, as it does when
+    the check copies them (``--mapped-baseline``); otherwise it reads them into memory."""
 
     manifest: dict = {}
+
+    def __init__(self, mapped: bool = False) -> None:
+        self.mapped = mapped
 
     def note(self, problem: str) -> None:
         raise RuntimeError(problem)
 
     def hash_loaded(self, path: object, obj: object) -> None:
         pass
+
+    def copying(self, path: object) -> bool:
+        return self.mapped
+
+    def verified_object(self, path: object, obj: object) -> object:
+        return obj
 
     def skip(self, folder: str) -> None:
         pass
@@ -118,8 +133,8 @@ class _NoCheck:
 
 
 @contextlib.contextmanager
-def _unverified() -> Iterator[None]:
-    """Loading with the integrity checks made no-ops."""
+def _unverified(mapped: bool = False) -> Iterator[None]:
+    """Loading with the integrity checks made no-ops (``mapped``: see :class:`_NoCheck`)."""
     import ds_engine._checkpoint as engine_ckpt
     import ds_zero._checkpoint as zero_ckpt
     import ds_zero._consolidate as zero_consolidate
@@ -129,7 +144,7 @@ def _unverified() -> Iterator[None]:
         zero_ckpt.binding_problems,
         zero_consolidate.verify_directory,
     )
-    engine_ckpt.start_verification = lambda *a, **k: _NoCheck()
+    engine_ckpt.start_verification = lambda *a, **k: _NoCheck(mapped)
     zero_ckpt.binding_problems = lambda *a, **k: []
     zero_consolidate.verify_directory = lambda *a, **k: {}
     try:
@@ -233,7 +248,7 @@ def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
     phases' spans when ``args.phases``)."""
     folder = os.path.join(root, "bench")
     engine.load_checkpoint(root, tag="bench", **load)  # warm the page cache, both arms
-    with _unverified():
+    with _unverified(args.mapped_baseline):
         engine.load_checkpoint(root, tag="bench", **load)
     wall: dict[str, list[float]] = {arm: [] for arm in _ARMS}
     cpu: dict[str, list[float]] = {arm: [] for arm in _ARMS}
@@ -249,7 +264,9 @@ def _measure(engine, root: str, load: dict, args: argparse.Namespace) -> dict:
                 values.append(0.0)
             phases = _phase_timer(spans[arm])
         with (
-            _unverified() if arm == "without verify" else contextlib.nullcontext(),
+            _unverified(args.mapped_baseline)
+            if arm == "without verify"
+            else contextlib.nullcontext(),
             phases,
         ):
             faulted = _minor_faults()
@@ -319,6 +336,12 @@ def _parser() -> argparse.ArgumentParser:
         help="instead, time the first load of a fresh process (a job's one load at its start), "
         "in N processes per arm, the arms alternating (the page cache warm)",
     )
+    parser.add_argument(
+        "--mapped-baseline",
+        action="store_true",
+        help="the load without verify maps the model file and uses its tensors in place (no "
+        "copy: the fastest unchecked read of it) instead of reading them into memory",
+    )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a child's rows
     # A --first-loads child: load this checkpoint once, this arm, and print the seconds.
     parser.add_argument("--first-child", nargs=2, metavar=("ROOT", "ARM"), help=argparse.SUPPRESS)
@@ -374,6 +397,7 @@ def _in_processes(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], flo
     argv += [f"--stage={args.stage}"] if args.stage else []
     argv += ["--cold"] if args.cold else []
     argv += ["--no-optimizer-states"] if args.no_optimizer_states else []
+    argv += ["--mapped-baseline"] if args.mapped_baseline else []
     runs = []
     for i in range(args.processes):
         proc = subprocess.run(
@@ -455,7 +479,7 @@ def main() -> None:
         f"\n{params / 1e6:.1f}M parameters, {os.cpu_count()} CPUs, torch threads "
         f"{torch.get_num_threads()}, {'cold' if args.cold else 'warm'} page cache, {where}; "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (a busy machine "
-        "leaves no core for the checksum threads)"
+        f"leaves no core for the checksum threads); {_baseline(args)}"
     )
     spread = "[quartiles]" if args.processes == 1 else "[lowest, highest process]"
     print(
@@ -495,12 +519,19 @@ def _first_child(args: argparse.Namespace, root: str, arm: str) -> None:
     # and the first load imports them otherwise (15-20 ms on the 2-core VM).
     for module in ("ds_engine._checkpoint", "ds_zero._checkpoint", "ds_zero._consolidate"):
         importlib.import_module(module)
-    with _unverified() if arm == "without verify" else contextlib.nullcontext():
+    unverified = _unverified(args.mapped_baseline) if arm == "without verify" else None
+    with unverified or contextlib.nullcontext():
         start = time.perf_counter()
         engine.load_checkpoint(
             root, tag="bench", load_optimizer_states=not args.no_optimizer_states
         )
         print(json.dumps(time.perf_counter() - start))
+
+
+def _baseline(args: argparse.Namespace) -> str:
+    """How the load without verify reads the model file (see ``--mapped-baseline``)."""
+    how = "mapped and used in place" if args.mapped_baseline else "read into memory"
+    return f"without verify, the model file {how}"
 
 
 def _first_loads(args: argparse.Namespace) -> None:
@@ -512,7 +543,7 @@ def _first_loads(args: argparse.Namespace) -> None:
     argv = [f"--params={args.params}", f"--width={args.width}"]
     print(
         f"\nfirst load of a fresh process, {args.first_loads} processes per arm, {os.cpu_count()} "
-        "CPUs, warm page cache"
+        f"CPUs, warm page cache; {_baseline(args)}"
     )
     print("| setting | median without verify (s) | with verify (s) | median paired overhead |")
     print("|---|---|---|---|")
@@ -528,6 +559,7 @@ def _first_loads(args: argparse.Namespace) -> None:
                 for arm in _ARMS[:: 1 if i % 2 == 0 else -1]:
                     child = [f"--stage={stage}", "--first-child", root, arm]
                     child += [] if full else ["--no-optimizer-states"]
+                    child += ["--mapped-baseline"] if args.mapped_baseline else []
                     proc = subprocess.run(
                         [sys.executable, __file__, *argv, *child],
                         capture_output=True,

@@ -18,6 +18,7 @@ import torch
 from ds_testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _copying_loads import hashed_ahead, write_at
 from _engine_testing import IN, config, loss_of, make_dataset, make_mlp
 
 TAG = "t"
@@ -39,12 +40,6 @@ def _save_body(rank: int, world_size: int, *, root: str) -> None:
     engine.save_checkpoint(root, tag=TAG)
 
 
-def _write_at(path: Path, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as f:  # in place: the same file, as a mapping of it sees
-        f.seek(offset)
-        f.write(data)
-
-
 def _load_body(
     rank: int,
     world_size: int,
@@ -59,47 +54,29 @@ def _load_body(
     shard file once its hashing is done and before the verdict; ``after_verdict``: just after
     it. Returns the weights and how many master lookups came from the copies, or the error
     that refused the load."""
-    from ds_zero import CheckpointError, GatheredParameters, _integrity, _manifest
+    from ds_zero import CheckpointError, GatheredParameters, _manifest
 
-    pending, reader = _integrity.PendingVerification, _manifest.ShardReader
-    saved = (
-        _integrity.spare_core,
-        _integrity.in_page_cache,
-        _integrity.COPY_KERNEL,
-        pending.wait,
-        reader._copy,
-    )
-    shard = Path(root) / TAG / SHARD
+    reader = _manifest.ShardReader
+    lookup = reader._copy
     copied: list[bool] = []
 
-    def wait(self, problems=()):
-        if self._verdict is None and before_verdict is not None:
-            for _, jobs, _, gaps in self._loaded.values():
-                for job in (*jobs, gaps):
-                    self._result(job)  # hashed (and copied): what follows happens after
-            _write_at(shard, *before_verdict)
-        manifest = saved[3](self, problems)
-        if after_verdict is not None:
-            _write_at(shard, *after_verdict)
-        return manifest
-
     def recording_copy(self, file, key):
-        got = saved[4](self, file, key)
+        got = lookup(self, file, key)
         copied.append(got is not None)
         return got
 
-    _integrity.spare_core = lambda: True
-    _integrity.in_page_cache = lambda path, offsets: True
-    _integrity.COPY_KERNEL = copy and saved[2]
-    pending.wait, reader._copy = wait, recording_copy
+    reader._copy = recording_copy
     engine = _engine(5)
+    shard = Path(root) / TAG / SHARD
     try:
-        engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
+        with hashed_ahead(
+            shard, copy=copy, before_verdict=before_verdict, after_verdict=after_verdict
+        ):
+            engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
     except CheckpointError as exc:
         return {"refused": str(exc)}
     finally:
-        (_integrity.spare_core, _integrity.in_page_cache, _integrity.COPY_KERNEL) = saved[:3]
-        pending.wait, reader._copy = saved[3], saved[4]
+        reader._copy = lookup
     params = list(engine.module.parameters())
     with GatheredParameters(params):
         weights = [p.detach().clone() for p in params]
@@ -173,7 +150,7 @@ def test_a_master_changed_while_copied_is_refused_though_restored(
     root = _copy_of(saved, tmp_path / "ckpt")
     offset, _ = _master(root)
     good = (root / TAG / SHARD).read_bytes()[offset : offset + 4]
-    _write_at(root / TAG / SHARD, offset, bytes(b ^ 0x40 for b in good))
+    write_at(root / TAG / SHARD, offset, bytes(b ^ 0x40 for b in good))
     result = _load(root, copy=True, before_verdict=(offset, good))
     assert f"{SHARD} corrupted" in result["refused"], result
 

@@ -6,6 +6,7 @@ split across the ranks' files; the copies go with the check."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import sys
@@ -119,23 +120,135 @@ def test_a_range_one_piece_holds_is_a_view_of_the_copy(
         )
 
 
-@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
-def test_a_file_the_loader_reads_itself_is_not_copied(
-    tmp_path: Path, hashed_ahead: list[tuple[str, bool]]
-) -> None:
-    """The model file of a masters-only load (ZeRO-1/2 without the optimizer's states), hashed
-    from the disk beside the loader's own read of it: nothing of it is copied, which only a
-    shard file's reader would use."""
-    from ds_zero import start_verification
+def _model_file(folder: Path) -> Path:
+    """A model states file of 8 MiB (too big to hash on the loading thread) with a tensor the
+    manifest cannot list (no bytes), a strided one, one inside a list, and counters; its
+    directory manifest written."""
     from ds_zero._integrity import write_directory_manifest
 
-    name = "mp_rank_00_model_states.pt"
-    torch.save({"module": {"w": torch.randn(1 << 21), "b": torch.randn(8)}}, tmp_path / name)
-    write_directory_manifest(tmp_path)
-    with start_verification(tmp_path, values=("param",), loaded=(name,)) as pending:
-        pending.hash_loaded(tmp_path / name, torch.load(tmp_path / name, weights_only=True))
+    path = folder / "mp_rank_00_model_states.pt"
+    module = {"w": torch.randn(1 << 21), "b": torch.randn(8), "empty": torch.empty(0)}
+    module["t"] = torch.randn(16, 24).t()  # strided: its entry holds the whole storage
+    torch.save({"module": module, "steps": 7, "extra": [torch.arange(4)]}, path)
+    write_directory_manifest(folder)
+    return path
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_the_file_the_loader_reads_whole_is_copied_and_its_tensors_swapped_for_the_copies(
+    tmp_path: Path, hashed_ahead: list[tuple[str, bool]]
+) -> None:
+    """The model file, named in ``loaded``: copied while hashed, so the loader maps it for its
+    structure alone and, after the verdict, gets every tensor from the copies (those the
+    manifest cannot list cloned, a strided one viewing its storage's copy), never a view of
+    the file."""
+    from ds_zero import start_verification
+
+    path = _model_file(tmp_path)
+    plain = torch.load(path, weights_only=True)
+    with start_verification(tmp_path, values=("param",), loaded=(path.name,)) as pending:
+        assert pending.copying(path)
+        mapped = torch.load(path, weights_only=True, mmap=True)
+        with pytest.raises(RuntimeError, match="before the verdict"):
+            pending.verified_object(path, mapped)
         pending.wait()
-        assert pending.verified_copy(tmp_path / name, "module/w") is None
+        assert not pending.copying(path)  # decided: nothing more is copied
+        got = pending.verified_object(path, mapped)
+        copy = pending.verified_copy(path, "module/w")
+        assert copy is not None and got["module"]["w"].data_ptr() == copy.data_ptr()
+        assert got["extra"][0].data_ptr() == pending.verified_copy(path, "extra[0]").data_ptr()
+        strided = pending.verified_copy(path, "module/t")
+        assert strided is not None
+        assert got["module"]["t"].data_ptr() == strided.data_ptr()
+    file_bytes = mapped["module"]["w"].untyped_storage()
+    assert file_bytes.data_ptr() != got["module"]["w"].untyped_storage().data_ptr()
+    assert got["steps"] == 7 and got.keys() == plain.keys()
+    assert got["module"]["t"].stride() == plain["module"]["t"].stride()
+    for name in ("w", "b", "empty", "t"):
+        assert torch.equal(got["module"][name], plain["module"][name])
+    assert torch.equal(got["extra"][0], plain["extra"][0])
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_a_model_file_tensor_changed_before_it_is_copied_is_refused(
+    tmp_path: Path, hashed_ahead: list[tuple[str, bool]]
+) -> None:
+    from ds_zero import CheckpointError, start_verification
+
+    path = _model_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    entries = json.loads((tmp_path / "ds_manifest.json").read_text())["files"][path.name]
+    data[int(entries["tensors"]["module/w"]["offset"]) + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with start_verification(tmp_path, values=("param",), loaded=(path.name,)) as pending:
+        assert pending.copying(path)
+        with pytest.raises(
+            CheckpointError, match=r"mp_rank_00_model_states.pt corrupted.*module/w"
+        ):
+            pending.wait()
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_a_model_file_on_the_disk_is_read_by_the_loader_not_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not in the page cache: the loader's plain reads in order beat a mapping faulted in page
+    by page, so the file is hashed beside them and nothing is copied."""
+    from ds_zero import _integrity, start_verification
+
+    monkeypatch.setattr(_integrity, "spare_core", lambda: True)
+    monkeypatch.setattr(_integrity, "in_page_cache", lambda path, offsets: False)
+    path = _model_file(tmp_path)
+    with start_verification(tmp_path, values=("param",), loaded=(path.name,)) as pending:
+        assert not pending.copying(path)
+        assert path.name in pending._mapped  # still hashed from the disk, beside the read
+        state = torch.load(path, weights_only=True)
+        pending.wait()
+        assert pending.verified_object(path, state) is state
+
+
+def test_a_file_hashed_from_the_loaders_read_is_not_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No core to spare: the model file is hashed from what the loader read (one pass on its
+    core), nothing is copied, and the loader's own tensors are the ones used."""
+    from ds_zero import _integrity, start_verification
+
+    monkeypatch.setattr(_integrity, "spare_core", lambda: False)
+    path = _model_file(tmp_path)
+    with start_verification(tmp_path, values=("param",), loaded=(path.name,)) as pending:
+        assert not pending.copying(path)
+        state = torch.load(path, weights_only=True)
+        pending.hash_loaded(path, state)
+        pending.wait()
+        assert pending.verified_object(path, state) is state
+        assert pending.verified_copy(path, "module/w") is None
+
+
+def test_map_tensors_names_tensors_as_walk_does_and_rebuilds_only_what_holds_one() -> None:
+    from collections import OrderedDict
+
+    from ds_zero._read_checks import map_tensors, walk
+
+    state: OrderedDict[str, Any] = OrderedDict(w=torch.ones(2), n=3)
+    state._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]  # as a state dict's
+    obj = {"module": state, "lists": [torch.zeros(1), (torch.ones(1), 2)], "plain": {"k": [1]}}
+    found: list[tuple[str, torch.Tensor]] = []
+    walk(obj, "", found)
+    seen: list[str] = []
+
+    def doubled(name: str, t: torch.Tensor) -> torch.Tensor:
+        seen.append(name)
+        return t * 2
+
+    got = map_tensors(obj, doubled)
+    assert seen == [n for n, _ in found] == ["module/w", "lists[0]", "lists[1][0]"]
+    assert type(got["module"]) is OrderedDict and got["module"]._metadata == state._metadata
+    assert torch.equal(got["module"]["w"], torch.full((2,), 2.0)) and got["module"]["n"] == 3
+    assert isinstance(got["lists"][1], tuple) and got["lists"][1][1] == 2
+    assert got["plain"] is obj["plain"]  # nothing in it to replace
+    assert torch.equal(obj["module"]["w"], torch.ones(2))  # the original is left as it was
+    assert map_tensors(obj, lambda name, t: t) is obj
 
 
 def _mapping_of(address: int) -> list[str] | None:

@@ -393,15 +393,19 @@ def _load_module(
 
 
 def _read_model_file(pending: PendingVerification, path: Path) -> dict[str, Any]:
-    """The model file, read while the checksums run and then hashed from what was read (no
-    second read); a reading error is noted for the verdict (every rank hears of it) instead of
-    raised here."""
+    """The model file, read while the checksums run; a reading error is noted for the verdict
+    (every rank hears of it) instead of raised here. Where the check copies the file's tensors
+    out as it hashes them, only the file's structure is read (mapped: no tensor's bytes), and
+    :meth:`~ds_zero.PendingVerification.verified_object` gives the values after the verdict;
+    otherwise the tensors are read and hashed from what was read (no second read)."""
+    copied = pending.copying(path)
     try:
-        state = load_file(path)
+        state = load_file(path, mmap=copied)
     except CheckpointError as exc:
         pending.note(str(exc))
         return {}
-    pending.hash_loaded(path, state)
+    if not copied:
+        pending.hash_loaded(path, state)
     return state
 
 
@@ -507,8 +511,10 @@ def load_checkpoint(
         if not from_shards:
             pending.wait()
 
-        def load_module() -> None:
-            _load_module(engine, path, state["module"], strict, partitioned, custom_load_fn)
+        def load_module() -> None:  # after the verdict
+            nonlocal state
+            state = pending.verified_object(path / model_file, state)
+            _load_module(engine, path, state.pop("module"), strict, partitioned, custom_load_fn)
             if from_masters:
                 tensors = masters
                 if tensors is None:  # after the verdict: the files are verified

@@ -77,9 +77,11 @@ now pass, since the loader mapped one of them. ``start_verification(ahead=False)
 shard files to a load that may not read them (a ZeRO-1/2 load without the optimizer's
 states): hashing them could only be wasted work, which the verdict would wait for.
 
-A file the loader reads whole and in order (``torch.load`` without a mapping: the model file,
-ZeRO-1/2's weights), named in ``loaded`` and too big to hash on the starting thread, is
-hashed from the disk the same way, cold or warm: there the mapping's faults are a second
+A file the loader reads whole (the model file, ZeRO-1/2's weights), named in ``loaded`` and too
+big to hash on the starting thread, is hashed from the disk the same way, cold or warm, and
+copied out as hashed where it can be, so that the loader reads only its structure (see [Note:
+copying the file the loader reads whole]); where it is not copied, the loader reads it in
+order (``torch.load`` without a mapping): there the mapping's faults are a second
 stream of reads beside the loader's, not scattered ones. Reading a 400 MB model file from a
 cold disk on the 2-core VM took 0.466 s with it, 0.523 s alone (16 rounds in random order);
 25 jobs of one 16 MiB chunk each gave 0.497 s, and a thread trailing the loader (each chunk
@@ -127,6 +129,7 @@ from ds_zero._read_checks import (
     gap_spans,
     listing,
     loaded_matches,
+    map_tensors,
     partial_problem,
     read_parts,
     tensor_crcs,
@@ -294,6 +297,7 @@ class PendingVerification:
         ahead: bool = True,
     ) -> None:
         self.directory, self.group, self.values = directory, group, values
+        self._read_whole = frozenset(loaded)
         self.rank, self.world = ranks_in(group)
         self.manifest: dict[str, Any] = {}
         self._noted: list[str] = []
@@ -391,9 +395,8 @@ class PendingVerification:
     def reads_only(self, folder: Path, names: Collection[str]) -> None:
         """The load reads, of the files under ``folder`` (a path under the directory), only
         ``names`` (relative to ``folder``): the others are left unchecked (see :meth:`skip`)."""
-        try:
-            relative = folder.relative_to(self.directory).as_posix()
-        except ValueError:
+        relative = self._name(folder)
+        if relative is None:
             return
         prefix = "" if relative == "." else f"{relative}/"
         self.skip(prefix, keep={prefix + name for name in names})
@@ -404,11 +407,8 @@ class PendingVerification:
         the checksum threads (see [Note: verifying what the loader read]). Call it before the
         :meth:`wait` whose verdict covers the values used; nothing happens for a file already
         being hashed, one whose manifest lacks the tensors' bindings, or after the verdict."""
-        if self._verdict is not None or self._pool is None:
-            return
-        try:
-            name = Path(path).relative_to(self.directory).as_posix()
-        except ValueError:
+        name = self._name(path)
+        if self._verdict is not None or self._pool is None or name is None:
             return
         record = self.manifest.get("files", {}).get(name)
         taken = (self._jobs, self._loaded, self._here)  # hashed, or to be, apart from this
@@ -449,7 +449,8 @@ class PendingVerification:
             key=lambda n: entries[n]["offset"],
         )
         sampled = [n for n in order[:: max(1, len(order) // 8)] if int(entries[n]["nbytes"])]
-        if if_cached and not in_page_cache(path, [int(entries[n]["offset"]) for n in sampled]):
+        cached = in_page_cache(path, [int(entries[n]["offset"]) for n in sampled])
+        if if_cached and not cached:
             return False
         try:
             mapped = MappedFile(path)
@@ -460,7 +461,7 @@ class PendingVerification:
         self._mapped[name] = mapped
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
-        copies = self._copy_target(name, entries, order)
+        copies = self._copy_target(name, entries, order) if cached else None
         # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
         runs = ahead_jobs(spans, self._threads, copying=copies is not None)
         if copies is None:
@@ -485,15 +486,57 @@ class PendingVerification:
     def _copy_target(
         self, name: str, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]
     ) -> CopiedTensors | None:
-        """Where a masters-only load's tensors ``order`` of shard file ``name`` are copied
-        while hashed, or None (see [Note: copying while verifying]): a file the loader reads
-        itself (the model file) is hashed in place."""
-        if self.values is None or not COPY_KERNEL or not _is_shard_file(name):
+        """Where tensors ``order`` of file ``name`` (in the page cache) are copied while hashed,
+        or None (see [Note: copying while verifying]): a file the loader reads whole (the model
+        file, named in ``loaded``), and a masters-only load's shard files."""
+        whole = name in self._read_whole
+        if not COPY_KERNEL or not (whole or (self.values is not None and _is_shard_file(name))):
             return None
         copied = sum(c.nbytes for c in self._copies.values())
         if copied + sum(int(entries[n]["nbytes"]) for n in order) > COPY_AHEAD_BYTES:
             return None
         return CopiedTensors(entries, order) if CopiedTensors.possible(entries, order) else None
+
+    def _name(self, path: str | os.PathLike[str]) -> str | None:
+        """``path`` relative to the directory, as its manifest names it (None: outside it)."""
+        try:
+            return Path(path).relative_to(self.directory).as_posix()
+        except ValueError:
+            return None
+
+    def copying(self, path: str | os.PathLike[str]) -> bool:
+        """Whether the tensors of file ``path`` are being copied out as they are hashed: the
+        loader then needs only the file's structure (``torch.load(mmap=True)``, which reads no
+        tensor's bytes) and takes the values from :meth:`verified_object` after the verdict
+        (see [Note: copying the file the loader reads whole])."""
+        return self._verdict is None and self._name(path) in self._copies
+
+    def verified_object(self, path: str | os.PathLike[str], obj: Any) -> Any:
+        """``obj``, what ``torch.load(path, mmap=True)`` returned while :meth:`copying` said so,
+        with each tensor swapped for its copy made while hashing and found to match (a tensor
+        the manifest does not list, one with no bytes, is cloned); ``obj`` itself for a file not
+        copied. Call it after the verdict: nothing of the mapped file is used after it.
+
+        Raises:
+            RuntimeError: before the verdict.
+        """
+        if self._verdict is None:
+            raise RuntimeError("verified_object() before the verdict (PendingVerification.wait)")
+        copies = self._copies.get(self._name(path) or "")
+        if copies is None:
+            return obj
+
+        def verified(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            copy = copies.tensor(name)
+            if copy is None or copy.dtype != tensor.dtype or copy.shape != tensor.shape:
+                return tensor.clone()  # unlisted: no bytes (see _tensor_index)
+            if tensor.is_contiguous():
+                return copy
+            # A strided tensor's entry holds its whole storage: the same view of the copy.
+            at = copy.storage_offset() + tensor.storage_offset()
+            return copy.as_strided(tensor.shape, tensor.stride(), at)
+
+        return map_tensors(obj, verified)
 
     def verified_copy(self, path: str | os.PathLike[str], tensor: str) -> torch.Tensor | None:
         """Tensor ``tensor`` of file ``path`` as copied while hashed and found to match, once
@@ -501,11 +544,7 @@ class PendingVerification:
         tensor not copied (the loader then reads it from the file)."""
         if self._verdict is None:
             return None
-        try:
-            name = Path(path).relative_to(self.directory).as_posix()
-        except ValueError:
-            return None
-        copies = self._copies.get(name)
+        copies = self._copies.get(self._name(path) or "")
         return None if copies is None else copies.tensor(tensor)
 
     def _result(self, job: Future[Any]) -> Any:

@@ -20,6 +20,7 @@ Manifests written before ``gaps_crc32`` are checked by chunks, as before.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -44,6 +45,7 @@ __all__ = [
     "holds_value",
     "listing",
     "loaded_matches",
+    "map_tensors",
     "partial_problem",
     "read_parts",
     "runs",
@@ -82,7 +84,7 @@ def walk(
         heads = None if only is None else {_head(n) for n in only}
         for key, value in obj.items():
             if heads is None or _may_hold(str(key), heads):
-                walk(value, f"{prefix}/{key}" if prefix else str(key), out)
+                walk(value, _key_path(prefix, key), out)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             if not isinstance(value, _LEAVES):
@@ -90,6 +92,39 @@ def walk(
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))
+
+
+def _key_path(prefix: str, key: object) -> str:
+    """The path of a mapping's entry ``key`` under ``prefix`` (as :func:`walk` names it)."""
+    return f"{prefix}/{key}" if prefix else str(key)
+
+
+def map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], prefix: str = "") -> Any:
+    """``obj`` with each tensor ``t`` at path ``p`` (as :func:`walk` names it) replaced by
+    ``fn(p, t)``: dicts, lists and tuples holding one are rebuilt (a dict's type and attributes,
+    such as a state dict's ``_metadata``, kept), everything else is returned as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(prefix or "<root>", obj)
+    if isinstance(obj, dict):
+        changed = {}
+        for key, value in obj.items():
+            new = map_tensors(value, fn, _key_path(prefix, key))
+            if new is not value:
+                changed[key] = new
+        if not changed:
+            return obj
+        rebuilt = copy.copy(obj)
+        rebuilt.update(changed)
+        return rebuilt
+    if isinstance(obj, (list, tuple)):
+        items = [
+            v if isinstance(v, _LEAVES) else map_tensors(v, fn, f"{prefix}[{i}]")
+            for i, v in enumerate(obj)
+        ]
+        if all(new is old for new, old in zip(items, obj)):
+            return obj
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
 
 
 def _may_hold(key: str, heads: Collection[str]) -> bool:
