@@ -34,6 +34,7 @@ Usage (from the workspace root)::
     ... --stage 3 --no-optimizer-states --phases   # one setting, with each load phase timed
     ... --stage 3 --no-optimizer-states --processes 6   # the median over 6 fresh processes
     ... --stage 3 --no-optimizer-states --first-loads 10   # a fresh process's one load
+    ... --stage 2 --processes 20 --mapped-baseline   # against the fastest unchecked read
 
 A process's speed can differ from the next one's by more than the checks cost (on the shared
 development VM the same unverified load takes 30 ms in one process and 40 ms in the next), so

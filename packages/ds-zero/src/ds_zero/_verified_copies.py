@@ -21,8 +21,8 @@ held one tensor at a time; so this is done for at most :data:`COPY_AHEAD_BYTES` 
 of the shard files only for a masters-only load (a full load assembles the optimizer's states
 range by range into tensors of the optimizer's own, and would need three times the memory; the
 model file is copied in either, see [Note: copying the file the loader reads whole]). Beyond
-the budget, or
-without the kernel, the masters are hashed in place and copied after the verdict, as before.
+the budget, or without the kernel, the masters are hashed in place and copied after the
+verdict, as before.
 The copies of a file are carved out of one buffer allocated on the loading thread and left
 untouched there: the copying threads fault its pages in as they write. Fresh 4 KiB pages cost
 about as much as the copy itself (the 2-core VM wrote 40 MB into fresh pages in 31 ms, into
@@ -85,7 +85,8 @@ the masters are: :meth:`~ds_zero._integrity.PendingVerification.copying` says so
 maps the file (``torch.load(mmap=True)``: the pickle and zip headers read, no tensor's bytes)
 and, after the verdict, :meth:`~ds_zero._integrity.PendingVerification.verified_object` swaps
 every tensor of what it loaded for its copy (a strided one for the same view of its storage's
-copy; one the manifest cannot list, with no bytes, for a clone). So the values used are the
+copy; one the manifest cannot list, with no bytes, for a clone; tensors that shared a storage
+in the file get a copy each, so they no longer share one). So the values used are the
 bytes that were checked, as for the masters: a model file rewritten in place after the verdict
 is not read, where the mapping the loader holds would have shown the new bytes. The copies
 take the place of ``torch.load``'s memory (no more memory than before during the load) and
@@ -93,8 +94,9 @@ count against :data:`COPY_AHEAD_BYTES`. A model file past it, or without the ker
 machine with no core to spare (the file then hashed from the loader's tensors), or not in the
 page cache, is read as before: from a cold disk the loader's plain reads in order beat a
 mapping faulted in page by page (400 MB: 0.66 s against 1.4-1.6 s on the 2-core VM, see
-``docs/checkpoints.md``), and the checksum thread hashes beside them. ds-engine drops the module's state dict once it is loaded, so the buffer is kept for
-the next load unless something else (the client state) still views it.
+``docs/checkpoints.md``), and the checksum thread hashes beside them. ds-engine drops the
+module's state dict once it is loaded, so the buffer is kept for the next load unless
+something else (the client state) still views it.
 
 What it buys depends on the memory ``torch.load`` would have read into. On the 2-core VM,
 10M-parameter ZeRO-2 weights-only loads (``checkpoint_verify.py --params 10 --rounds 7
