@@ -96,7 +96,8 @@ def test_several_processes_give_the_median_and_each_process() -> None:
 
 def test_the_mapped_baseline_maps_the_model_file_in_every_process() -> None:
     """``--mapped-baseline``: the unchecked arm maps the model file and uses it in place, in the
-    child processes too (the header says so; the rows are there)."""
+    child processes too (each child reports the baseline it ran, and the parent stops on one
+    that differs; the header says which)."""
     out = _run("--stage", "2", "--no-optimizer-states", "--processes", "2", "--mapped-baseline")
     assert "without verify, the model file mapped and used in place" in out, out
     assert list(_rows(out)) == ["weights only (load_optimizer_states=False)"], out

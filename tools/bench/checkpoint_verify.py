@@ -410,6 +410,7 @@ def _in_processes(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], flo
         if proc.returncode != 0:
             raise SystemExit(f"process {i + 1} of {args.processes} failed:\n{proc.stderr[-3000:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        _same_baseline(args, runs[-1]["baseline"], f"process {i + 1}")
         paired = ", ".join(
             f"{100 * r['paired'][1]:+.1f}% ({r['faults'][_ARMS[0]]:.0f} / "
             f"{r['faults'][_ARMS[1]]:.0f} faults)"
@@ -466,7 +467,7 @@ def main() -> None:
     if args.json:
         keep = ("paired", "wall", "cpu", "faults")
         out = [(name, {k: result[k] for k in keep}) for name, result in rows]
-        print(json.dumps({"rows": out, "params": params}))
+        print(json.dumps({"rows": out, "params": params, "baseline": _baseline(args)}))
         return
     where = (
         f"median of {args.rounds} alternating rounds"
@@ -511,7 +512,7 @@ def main() -> None:
 
 def _first_child(args: argparse.Namespace, root: str, arm: str) -> None:
     """One load of ``root``'s checkpoint, the first of this process, in ``arm``; prints its
-    wall seconds."""
+    wall seconds and the baseline it ran, as JSON."""
     import importlib
 
     _one_rank(fresh_port=True)  # not the parent's, which it still holds
@@ -526,13 +527,20 @@ def _first_child(args: argparse.Namespace, root: str, arm: str) -> None:
         engine.load_checkpoint(
             root, tag="bench", load_optimizer_states=not args.no_optimizer_states
         )
-        print(json.dumps(time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        print(json.dumps({"seconds": seconds, "baseline": _baseline(args)}))
 
 
 def _baseline(args: argparse.Namespace) -> str:
     """How the load without verify reads the model file (see ``--mapped-baseline``)."""
     how = "mapped and used in place" if args.mapped_baseline else "read into memory"
     return f"without verify, the model file {how}"
+
+
+def _same_baseline(args: argparse.Namespace, reported: str, who: str) -> None:
+    """Stop unless a child process loaded with the baseline this one was asked for."""
+    if reported != _baseline(args):
+        raise SystemExit(f"{who} ran {reported!r}, not {_baseline(args)!r}")
 
 
 def _first_loads(args: argparse.Namespace) -> None:
@@ -569,7 +577,9 @@ def _first_loads(args: argparse.Namespace) -> None:
                     )
                     if proc.returncode != 0:
                         raise SystemExit(f"a {arm} first load failed:\n{proc.stderr[-3000:]}")
-                    times[arm].append(float(proc.stdout.strip().splitlines()[-1]))
+                    child_run = json.loads(proc.stdout.strip().splitlines()[-1])
+                    _same_baseline(args, child_run["baseline"], f"a {arm} first load")
+                    times[arm].append(float(child_run["seconds"]))
         what = "full load" if full else "weights only (load_optimizer_states=False)"
         pairs = [b / a - 1 for a, b in zip(times[_ARMS[0]], times[_ARMS[1]])]
         a, b = (statistics.median(times[arm]) for arm in _ARMS)
