@@ -170,6 +170,23 @@ def test_the_file_the_loader_reads_whole_is_copied_and_its_tensors_swapped_for_t
 
 
 @pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_a_tensor_read_as_other_than_its_manifest_says_is_refused_not_cloned(
+    tmp_path: Path, hashed_ahead: list[tuple[str, bool]]
+) -> None:
+    """A loaded tensor whose shape is not its manifest entry's (the copy would be read as
+    something else): an error naming the file and the tensor, not a clone of the mapping."""
+    from ds_zero import CheckpointError, start_verification
+
+    path = _model_file(tmp_path)
+    with start_verification(tmp_path, values=("param",), loaded=(path.name,)) as pending:
+        mapped = torch.load(path, weights_only=True, mmap=True)
+        pending.wait()
+        mapped["module"]["w"] = mapped["module"]["w"].view(2, -1)
+        with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt: tensor 'module/w'"):
+            pending.verified_object(path, mapped)
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
 def test_a_model_file_tensor_changed_before_it_is_copied_is_refused(
     tmp_path: Path, hashed_ahead: list[tuple[str, bool]]
 ) -> None:

@@ -404,8 +404,7 @@ def _read_model_file(pending: PendingVerification, path: Path) -> dict[str, Any]
     except CheckpointError as exc:
         pending.note(str(exc))
         return {}
-    if not copied:
-        pending.hash_loaded(path, state)
+    pending.hash_loaded(path, state)  # nothing to do for a file copied as it is hashed
     return state
 
 

@@ -519,17 +519,25 @@ class PendingVerification:
 
         Raises:
             RuntimeError: before the verdict.
+            CheckpointError: a tensor whose dtype or shape in ``obj`` is not its manifest's
+                (its copy would be read as something else), naming the file and the tensor.
         """
         if self._verdict is None:
             raise RuntimeError("verified_object() before the verdict (PendingVerification.wait)")
-        copies = self._copies.get(self._name(path) or "")
+        file = self._name(path) or ""
+        copies = self._copies.get(file)
         if copies is None:
             return obj
 
         def verified(name: str, tensor: torch.Tensor) -> torch.Tensor:
             copy = copies.tensor(name)
-            if copy is None or copy.dtype != tensor.dtype or copy.shape != tensor.shape:
+            if copy is None:
                 return tensor.clone()  # unlisted: no bytes (see _tensor_index)
+            if copy.dtype != tensor.dtype or copy.shape != tensor.shape:
+                raise CheckpointError(
+                    f"{self.directory / file}: tensor {name!r} reads as {tensor.dtype} "
+                    f"{list(tensor.shape)}, its manifest records {copy.dtype} {list(copy.shape)}"
+                )
             if tensor.is_contiguous():
                 return copy
             # A strided tensor's entry holds its whole storage: the same view of the copy.

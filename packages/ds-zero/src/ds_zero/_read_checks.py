@@ -88,7 +88,7 @@ def walk(
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             if not isinstance(value, _LEAVES):
-                walk(value, f"{prefix}[{i}]", out)
+                walk(value, _item_path(prefix, i), out)
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))
@@ -97,6 +97,12 @@ _LEAVES = (str, bytes, int, float, bool, type(None))
 def _key_path(prefix: str, key: object) -> str:
     """The path of a mapping's entry ``key`` under ``prefix`` (as :func:`walk` names it)."""
     return f"{prefix}/{key}" if prefix else str(key)
+
+
+def _item_path(prefix: str, index: int) -> str:
+    """The path of a list's or tuple's item ``index`` under ``prefix`` (as :func:`walk` names
+    it)."""
+    return f"{prefix}[{index}]"
 
 
 def map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], prefix: str = "") -> Any:
@@ -118,7 +124,7 @@ def map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], prefi
         return rebuilt
     if isinstance(obj, (list, tuple)):
         items = [
-            v if isinstance(v, _LEAVES) else map_tensors(v, fn, f"{prefix}[{i}]")
+            v if isinstance(v, _LEAVES) else map_tensors(v, fn, _item_path(prefix, i))
             for i, v in enumerate(obj)
         ]
         if all(new is old for new, old in zip(items, obj)):
