@@ -54,7 +54,8 @@ def _child(path: str, rounds: int, tensors: int) -> None:
     times: dict[str, list[tuple[float, float, int]]] = {arm: [] for arm in ARMS}
 
     def copy_once() -> tuple[float, float, int]:
-        copies = CopiedTensors(entries, list(entries))
+        copies = CopiedTensors.of(entries, list(entries))
+        assert copies is not None
         outs = copies.next_run(spans)
         got: list[tuple[float, float, int]] = []
 

@@ -300,7 +300,7 @@ def _copies(nbytes: int) -> Any:
     from ds_zero._verified_copies import CopiedTensors
 
     entries = {"t": {"dtype": "torch.uint8", "shape": [nbytes], "nbytes": nbytes}}
-    return CopiedTensors(entries, ["t"])
+    return CopiedTensors.of(entries, ["t"])
 
 
 def _lazy_free_kib(smaps: list[str]) -> int:
@@ -454,8 +454,8 @@ def test_copies_are_carved_apart_aligned_and_shaped_as_recorded() -> None:
         "c": {"dtype": "torch.float64", "shape": [5, 2], "nbytes": 80},
     }
     order = ["b", "a", "c"]
-    assert CopiedTensors.possible(entries, order)
-    copies = CopiedTensors(entries, order)
+    copies = CopiedTensors.of(entries, order)
+    assert copies is not None
     tensors = {n: copies.tensor(n) for n in order}
     spans = []
     for name, t in tensors.items():
@@ -470,3 +470,54 @@ def test_copies_are_carved_apart_aligned_and_shaped_as_recorded() -> None:
         t.fill_(value)
     assert [float(t.flatten()[-1]) for t in tensors.values() if t is not None] == [0, 1, 2]
     assert copies.nbytes == (4 << 20) + 86
+
+
+@needs_huge_pages
+def test_a_mapped_buffer_is_written_through_byte_ranges_and_kept_once_they_are_gone(
+    no_kept_buffers: None,
+) -> None:
+    """The copying jobs of a mapped buffer get plain byte ranges (no tensor per copy before the
+    verdict); the tensors made after it read what was written there, in every dtype, and
+    once the ranges and the tensors are gone the buffer is kept for the next load."""
+    from ds_zero import _verified_copies
+    from ds_zero._verified_copies import CopiedTensors
+
+    _huge_pages_or_skip()
+    values = {
+        "w": torch.arange(1 << 20, dtype=torch.float32).view(1024, 1024),
+        "h": torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16),
+        "n": torch.arange(10, dtype=torch.int64).view(2, 5),
+    }
+    entries = {
+        n: {"dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.itemsize}
+        for n, t in values.items()
+    }
+    copies = CopiedTensors.of(entries, list(values))
+    assert copies is not None
+    outs = copies.next_run([(0, int(e["nbytes"])) for e in entries.values()])
+    assert all(isinstance(out, memoryview) for out in outs)
+    for out, t in zip(outs, values.values()):
+        out[:] = memoryview(
+            t.contiguous().view(torch.uint8).flatten().numpy()
+        )  # the kernel's write
+    del out, outs
+    for name, t in values.items():
+        copy = copies.tensor(name)
+        assert copy is not None and copy.dtype == t.dtype and torch.equal(copy, t)
+        assert copy.is_contiguous() and copy.data_ptr() % 64 == 0
+    transposed = copies.view_as("n", [5, 2], [1, 5], 0)  # a loaded view of the same bytes
+    assert torch.equal(transposed, values["n"].t())
+    del copy, transposed
+    copies.release()
+    assert len(_verified_copies._kept) == 1
+    assert copies.tensor("w") is None and copies.spot("w") is None
+
+
+def test_copies_are_refused_for_an_entry_whose_shape_and_dtype_miss_its_bytes() -> None:
+    from ds_zero._verified_copies import CopiedTensors
+
+    good = {"dtype": "torch.float32", "shape": [4], "nbytes": 16}
+    assert CopiedTensors.of({"a": good}, ["a"]) is not None
+    assert CopiedTensors.of({"a": {**good, "nbytes": 12}}, ["a"]) is None
+    assert CopiedTensors.of({"a": {**good, "dtype": "torch.nonsense"}}, ["a"]) is None
+    assert CopiedTensors.of({"a": good}, []) is None

@@ -495,7 +495,7 @@ class PendingVerification:
         copied = sum(c.nbytes for c in self._copies.values())
         if copied + sum(int(entries[n]["nbytes"]) for n in order) > COPY_AHEAD_BYTES:
             return None
-        return CopiedTensors(entries, order) if CopiedTensors.possible(entries, order) else None
+        return CopiedTensors.of(entries, order)
 
     def _name(self, path: str | os.PathLike[str]) -> str | None:
         """``path`` relative to the directory, as its manifest names it (None: outside it)."""
@@ -530,19 +530,18 @@ class PendingVerification:
             return obj
 
         def verified(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            copy = copies.tensor(name)
-            if copy is None:
+            spot = copies.spot(name)
+            if spot is None:
                 return tensor.clone()  # unlisted: no bytes (see _tensor_index)
-            if copy.dtype != tensor.dtype or copy.shape != tensor.shape:
+            dtype, shape = spot
+            if dtype != tensor.dtype or shape != list(tensor.shape):
                 raise CheckpointError(
                     f"{self.directory / file}: tensor {name!r} reads as {tensor.dtype} "
-                    f"{list(tensor.shape)}, its manifest records {copy.dtype} {list(copy.shape)}"
+                    f"{list(tensor.shape)}, its manifest records {dtype} {shape}"
                 )
-            if tensor.is_contiguous():
-                return copy
-            # A strided tensor's entry holds its whole storage: the same view of the copy.
-            at = copy.storage_offset() + tensor.storage_offset()
-            return copy.as_strided(tensor.shape, tensor.stride(), at)
+            # The same view of the copy; a strided tensor's entry holds its whole storage.
+            offset = 0 if tensor.is_contiguous() else int(tensor.storage_offset())
+            return copies.view_as(name, tensor.shape, tensor.stride(), offset)
 
         return map_tensors(obj, verified)
 
