@@ -74,7 +74,10 @@ def test_one_process_prints_a_row_per_setting_and_the_phases() -> None:
     assert "| phase (median ms) |" in out
     whole = next(line for line in out.splitlines() if line.startswith("| whole load |"))
     assert all(float(cell) > 1 for cell in whole.strip("|").split("|")[1:]), whole  # ms, not s
-    assert "| PendingVerification.wait |" in out
+    for phase in ("wait", "verified_object", "close"):
+        assert f"| PendingVerification.{phase} |" in out, out
+    manifest = re.search(r"^\| read_directory_manifest \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
+    assert manifest is not None and float(manifest.group(2)) > 0, out  # read only when verified
     faults = re.search(
         r"^\| minor page faults \(median, not ms\) \| ([0-9]+) \| ([0-9]+) \|$", out, re.M
     )

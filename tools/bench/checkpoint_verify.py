@@ -158,14 +158,18 @@ def _unverified(mapped: bool = False) -> Iterator[None]:
         ) = saved
 
 
-# (module, attribute) of each load phase timed by --phases; start_verification and the wait are
-# the verification's own, the others run in both arms.
+# (module, attribute) of each load phase timed by --phases; start_verification (of which the
+# manifest's reading), the wait, the swap of the model file's tensors for their checked copies
+# and the close are the verification's own, the others run in both arms.
 _PHASES = (
     ("ds_engine._checkpoint", "start_verification"),
+    ("ds_zero._integrity", "read_directory_manifest"),
     ("ds_engine._checkpoint", "_read_model_file"),
     ("ds_zero._checkpoint", "verify_checkpoint"),
     ("ds_zero._zero_shards", "_read_shards"),
     ("ds_zero._integrity", "PendingVerification.wait"),
+    ("ds_zero._integrity", "PendingVerification.verified_object"),
+    ("ds_zero._integrity", "PendingVerification.close"),
 )
 # The checksum functions, run on the hashing threads: their time is summed over the threads
 # (the copies made while hashing, and the gaps of a mapped file, included).
