@@ -496,10 +496,8 @@ def test_a_mapped_buffer_is_written_through_byte_ranges_and_kept_once_they_are_g
     assert copies is not None
     outs = copies.next_run([(0, int(e["nbytes"])) for e in entries.values()])
     assert all(isinstance(out, memoryview) for out in outs)
-    for out, t in zip(outs, values.values()):
-        out[:] = memoryview(
-            t.contiguous().view(torch.uint8).flatten().numpy()
-        )  # the kernel's write
+    for out, t in zip(outs, values.values()):  # what the copying kernel writes
+        out[:] = memoryview(t.contiguous().view(torch.uint8).flatten().numpy())
     del out, outs
     for name, t in values.items():
         copy = copies.tensor(name)
