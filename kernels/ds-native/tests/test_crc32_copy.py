@@ -70,6 +70,36 @@ def test_reads_a_mapping_and_writes_array_and_mmap_buffers(tmp_path: Path) -> No
     assert ds_native.crc32_copy_spans(data, [], []) == []
 
 
+@pytest.mark.parametrize("simd", [None, *PATHS])
+def test_with_at_each_span_lands_at_its_offset_of_one_destination(simd: Crc32Simd | None) -> None:
+    data = random.Random(14).randbytes(600_000)
+    places = [0, 64, 65_600, 265_664, 865_728, 865_728]  # after each other, gaps between
+    out = bytearray(1_000_000)
+    got = ds_native.crc32_copy_spans(data, SPANS, out, at=places, simd=simd)
+    assert got == _crcs(data, SPANS)
+    for (a, n), place in zip(SPANS, places):
+        assert out[place : place + n] == data[a : a + n]
+    assert out[3:64] == bytes(61) and out[-10:] == bytes(10)  # nothing written between them
+    tensor = torch.zeros(250_000, dtype=torch.float32)  # its bytes, whatever its dtype
+    assert ds_native.crc32_copy_spans(data, SPANS, tensor, at=places, simd=simd) == got
+    assert _bytes(tensor)[65_600 : 65_600 + 200_001] == data[70_000:270_001]
+
+
+@pytest.mark.parametrize(
+    ("at", "message"),
+    [
+        ([0, 8], "span 1 would go to bytes [8, 12) of the destination, which holds 10; pass"),
+        ([-1, 0], "span 0 would go to bytes [-1, 2) of the destination"),
+        ([0], "2 spans but 1 offsets in at; pass one each"),
+    ],
+)
+def test_with_at_offsets_outside_the_destination_are_refused(at: list[int], message: str) -> None:
+    out = bytearray(10)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ds_native.crc32_copy_spans(b"0123456789", [(0, 3), (5, 4)], out, at=at)
+    assert out == bytearray(10)  # nothing copied
+
+
 @pytest.mark.parametrize("span", [(-1, 4), (0, -1), (10, 1), (11, 0), (3, 8)])
 def test_spans_leaving_the_source_are_refused_and_nothing_is_copied(
     span: tuple[int, int],
@@ -109,6 +139,10 @@ def test_without_extension_the_copies_and_crcs_come_from_python_and_zlib(
     ]
     assert outs[0] == bytearray(b"hello")
     assert _bytes(outs[1]) == b"spans"
+    one = torch.zeros(12, dtype=torch.uint8)
+    got = ds_native.crc32_copy_spans(b"hello, spans", [(0, 5), (7, 5)], one, at=[6, 0])
+    assert got == [zlib.crc32(b"hello"), zlib.crc32(b"spans")]
+    assert _bytes(one) == b"spans\x00hello\x00"
 
 
 @pytest.mark.skipif(not ds_native.native_available(), reason="no C extension")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 def crc32_copy_spans(
     data: Buffer,
     spans: Sequence[tuple[int, int]],
-    outs: Sequence[Buffer | torch.Tensor],
+    outs: Sequence[Buffer | torch.Tensor] | Buffer | torch.Tensor,
     *,
+    at: Sequence[int] | None = None,
     simd: Crc32Simd | None = None,
 ) -> list[int]:
     """Copy each ``(start, length)`` span of ``data`` to its own destination and give the
@@ -40,7 +41,13 @@ def crc32_copy_spans(
         spans: ``(start, length)`` byte ranges of ``data``, in any order.
         outs: One destination per span, each at least the span's length and sharing no memory
             with ``data``: a writable C-contiguous buffer, or a contiguous CPU tensor (written
-            through its data pointer; its bytes, whatever its dtype).
+            through its data pointer; its bytes, whatever its dtype). With ``at``, one such
+            destination for every span.
+        at: Where in the one destination ``outs`` each span goes, in bytes, one per span: span
+            ``i`` is copied to ``outs[at[i] : at[i] + length]`` (ranges that should not
+            overlap). The destination is checked once instead of once a span: for many small
+            spans (a checkpoint file's tensors) that is most of the Python work a call does
+            before it releases the GIL.
         simd: as for :func:`crc32`.
 
     Returns:
@@ -48,38 +55,69 @@ def crc32_copy_spans(
 
     Raises:
         ValueError: a span with a negative start or length, or one that leaves ``data``; a
-            destination too small, read-only, or a tensor not contiguous on the CPU (nothing
-            is copied then).
+            destination too small, read-only, or a tensor not contiguous on the CPU; with
+            ``at``, an offset that puts a span outside the destination (nothing is copied
+            then).
 
     Example:
         >>> outs = [bytearray(5), torch.empty(5, dtype=torch.uint8)]
         >>> ds_native.crc32_copy_spans(b"hello world", [(0, 5), (6, 5)], outs)
         [907060870, 980881731]
+        >>> ds_native.crc32_copy_spans(b"hello world", [(0, 5), (6, 5)], bytearray(10), at=[5, 0])
+        [907060870, 980881731]
     """
-    if len(outs) != len(spans):
+    each = cast("Sequence[Buffer | torch.Tensor]", outs) if at is None else None
+    if each is not None and len(each) != len(spans):
         raise ValueError(
-            f"crc32_copy_spans: {len(spans)} spans but {len(outs)} destinations; pass one each"
+            f"crc32_copy_spans: {len(spans)} spans but {len(each)} destinations; pass one each"
+        )
+    if at is not None and len(at) != len(spans):
+        raise ValueError(
+            f"crc32_copy_spans: {len(spans)} spans but {len(at)} offsets in at; pass one each"
         )
     with contextlib.ExitStack() as stack:
         view = stack.enter_context(memoryview(data).cast("B"))
         starts, lengths = checked_spans("crc32_copy_spans", spans, view.nbytes)
-        targets = [
-            stack.enter_context(_Destination(out, n, i))
-            for i, (out, n) in enumerate(zip(outs, lengths))
-        ]
+        if each is not None:
+            targets = [
+                stack.enter_context(_Destination(out, n, i))
+                for i, (out, n) in enumerate(zip(each, lengths))
+            ]
+            places = [0] * len(spans)
+        else:
+            one = stack.enter_context(_Destination(cast("Buffer | torch.Tensor", outs), 0, 0))
+            places = [int(a) for a in at or ()]
+            _check_places(places, lengths, one.capacity)
+            targets = [one] * len(spans)
         code = native_code(simd)
         if not spans:
             return []
         if code is None:
             crcs = []
-            for a, n, target in zip(starts, lengths, targets):
-                target.write(view[a : a + n])
+            for a, n, target, place in zip(starts, lengths, targets, places):
+                target.write(view[a : a + n], place)
                 crcs.append(zlib.crc32(view[a : a + n]))
             return crcs
         ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
-        pointers = ffi.new("void *[]", [target.pointer(ffi, stack) for target in targets])
+        if each is not None:
+            addresses = [target.pointer(ffi, stack) for target in targets]
+        else:
+            base = ffi.cast("char *", targets[0].pointer(ffi, stack))
+            addresses = [base + place for place in places]
+        pointers = ffi.new("void *[]", addresses)
         kernel = lib.ds_native_crc32_copy_spans
         return native_span_crcs(kernel, view, starts, lengths, pointers, code)
+
+
+def _check_places(places: list[int], lengths: list[int], capacity: int) -> None:
+    """Refuse an offset of ``at`` that puts its span outside the one destination."""
+    for i, (place, n) in enumerate(zip(places, lengths)):
+        if place < 0 or place + n > capacity:
+            raise ValueError(
+                f"crc32_copy_spans: span {i} would go to bytes [{place}, {place + n}) of the "
+                f"destination, which holds {capacity}; pass offsets in at that keep every span "
+                "inside it"
+            )
 
 
 class _Destination:
@@ -102,6 +140,7 @@ class _Destination:
             if self._view.readonly:
                 self._view.release()
                 raise ValueError(f"crc32_copy_spans: destination {index} is read-only")
+        self.capacity = capacity
         if capacity < length:
             self.__exit__()
             raise ValueError(
@@ -109,16 +148,16 @@ class _Destination:
                 f"{capacity}; pass one of at least the span's length"
             )
 
-    def write(self, data: memoryview) -> None:
-        """Copy ``data`` to the start of the destination (the path without the C kernel)."""
+    def write(self, data: memoryview, at: int = 0) -> None:
+        """Copy ``data`` to byte ``at`` of the destination (the path without the C kernel)."""
         if self._tensor is not None:
             if not data.nbytes:
                 return  # torch.frombuffer refuses an empty buffer
-            target = self._tensor.view(-1).view(torch.uint8)[: data.nbytes]
+            target = self._tensor.view(-1).view(torch.uint8)[at : at + data.nbytes]
             target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         else:
             assert self._view is not None
-            self._view[: data.nbytes] = data
+            self._view[at : at + data.nbytes] = data
 
     def pointer(self, ffi: Any, stack: contextlib.ExitStack) -> Any:
         """The destination's address for C, valid while ``stack`` is open."""
