@@ -40,7 +40,10 @@ def test_a_line_per_process_and_a_row_per_buffer() -> None:
     assert all(float(ms) > 0 for _, ms, _ in rows)
     # the median over the processes: a half between two counts (6.5) on an even number of them
     new_faults, kept_faults = (float(faults) for *_, faults in rows)
-    assert new_faults >= 3 and kept_faults == 0  # 6 MB: three 2 MiB pages or more, then none
+    # 6 MB: three 2 MiB pages or more, then none of the buffer's; a round now and then takes
+    # one stray fault of the thread's own (about 1 round in 50 on the VM, with per-tensor
+    # destinations as with one buffer), which a median of two rounds shows as 0.5
+    assert new_faults >= 3 and kept_faults <= 1
 
 
 def test_bad_sizes_are_refused() -> None:

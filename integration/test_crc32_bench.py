@@ -25,6 +25,7 @@ def test_a_row_per_contender_and_the_added_cost() -> None:
         "ds_native.crc32_spans",
         "copy (torch copy_)",
         "ds_native.crc32_copy_spans",
+        "ds_native.crc32_copy_spans, one buffer (at=)",
     }, proc.stdout
     assert all(float(ms) > 0 for ms in rows.values())
     assert "1.0 MB in 3 spans, median of 2 rounds" in proc.stdout

@@ -8,7 +8,10 @@ and in alternating order:
 * ``ds_native.crc32_spans``: the same CRC-32s in one native call;
 * a copy of each span into a tensor of its own (``torch.Tensor.copy_``), what a loader does;
 * ``ds_native.crc32_copy_spans``: the copies and the CRC-32s in one pass
-  ([Note: copying while hashing] in kernels/ds-native/csrc/crc32.c).
+  ([Note: copying while hashing] in kernels/ds-native/csrc/crc32.c);
+* the same into one buffer at each span's offset (``at=``), as ds-zero's copying jobs call it:
+  one destination checked a call instead of one a span (with many small spans, ``--mb 0.05
+  --tensors 762``, the Python work of the call, which holds the GIL, is the difference).
 
 The destination tensors are allocated once and reused, as the allocator hands a later load the
 memory an earlier one freed (new pages would add their faults to every copying row alike). The
@@ -17,6 +20,7 @@ table gives the median milliseconds and GB/s of each, and what hashing adds to t
 Usage (from the workspace root)::
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/crc32.py --mb 40 --tensors 10
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/crc32.py --mb 0.05 --tensors 762
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def main() -> None:
     source = torch.frombuffer(data, dtype=torch.uint8)
     spans = [(i * span, span) for i in range(args.tensors)]
     outs = [torch.empty(span, dtype=torch.uint8) for _ in spans]
+    one = torch.empty(span * args.tensors, dtype=torch.uint8)
+    places = [i * span for i in range(args.tensors)]
     view = memoryview(data)
 
     def zlib_each() -> None:
@@ -63,6 +69,9 @@ def main() -> None:
         "ds_native.crc32_spans": lambda: ds_native.crc32_spans(data, spans),
         "copy (torch copy_)": copies,
         "ds_native.crc32_copy_spans": lambda: ds_native.crc32_copy_spans(data, spans, outs),
+        "ds_native.crc32_copy_spans, one buffer (at=)": lambda: ds_native.crc32_copy_spans(
+            data, spans, one, at=places
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)

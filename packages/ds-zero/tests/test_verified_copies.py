@@ -473,12 +473,12 @@ def test_copies_are_carved_apart_aligned_and_shaped_as_recorded() -> None:
 
 
 @needs_huge_pages
-def test_a_mapped_buffer_is_written_through_byte_ranges_and_kept_once_they_are_gone(
+def test_copies_are_written_at_offsets_of_one_buffer_and_made_tensors_after(
     no_kept_buffers: None,
 ) -> None:
-    """The copying jobs of a mapped buffer get plain byte ranges (no tensor per copy before the
-    verdict); the tensors made after it read what was written there, in every dtype, and
-    once the ranges and the tensors are gone the buffer is kept for the next load."""
+    """A copying job gets the one buffer and each tensor's byte offset in it (no tensor per
+    copy before the verdict); the tensors made after it read what was written there, in every
+    dtype, and once they are gone the buffer is kept for the next load."""
     from ds_zero import _verified_copies
     from ds_zero._verified_copies import CopiedTensors
 
@@ -494,11 +494,13 @@ def test_a_mapped_buffer_is_written_through_byte_ranges_and_kept_once_they_are_g
     }
     copies = CopiedTensors.of(entries, list(values))
     assert copies is not None
-    outs = copies.next_run([(0, int(e["nbytes"])) for e in entries.values()])
-    assert all(isinstance(out, memoryview) for out in outs)
-    for out, t in zip(outs, values.values()):  # what the copying kernel writes
-        out[:] = memoryview(t.contiguous().view(torch.uint8).flatten().numpy())
-    del out, outs
+    first, places = copies.next_run([(0, int(entries["w"]["nbytes"]))])
+    rest, more = copies.next_run([(0, 1), (0, 1)])
+    assert rest is first and places == [0] and more == [4 << 20, (4 << 20) + 64]
+    for place, t in zip(places + more, values.values()):  # what the copying kernel writes
+        raw = t.contiguous().view(torch.uint8).flatten()
+        first[place : place + raw.numel()].copy_(raw)
+    del first, rest
     for name, t in values.items():
         copy = copies.tensor(name)
         assert copy is not None and copy.dtype == t.dtype and torch.equal(copy, t)

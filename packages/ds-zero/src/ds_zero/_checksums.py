@@ -19,6 +19,7 @@ beside the loader's unpickling as alone, and in one call no longer.
 
 from __future__ import annotations
 
+import inspect
 import mmap
 import os
 import zlib
@@ -57,6 +58,8 @@ try:  # spans copied out and hashed as copied, in one pass (see [Note: copying w
     from ds_native import crc32_copy_spans as _crc32_copy_spans
 except ImportError:  # ds-native absent, or a release without crc32_copy_spans
     _crc32_copy_spans = None
+if _crc32_copy_spans is not None and "at" not in inspect.signature(_crc32_copy_spans).parameters:
+    _crc32_copy_spans = None  # a release before at=: one destination per tensor, checked each
 
 COPY_KERNEL = _crc32_copy_spans is not None
 """Whether :meth:`MappedFile.copy_crcs` runs ds-native's one-pass kernel (without it, copying
@@ -206,15 +209,18 @@ class MappedFile:
         return _crc32_spans(self._view, spans, chained=True)[-1] if spans else 0
 
     def copy_crcs(
-        self, spans: Sequence[tuple[int, int]], outs: Sequence[torch.Tensor]
+        self, spans: Sequence[tuple[int, int]], out: torch.Tensor, at: Sequence[int]
     ) -> list[int]:
-        """Copy each span into its tensor in ``outs`` and give the CRC-32 of each as copied, in
-        one pass over the file's pages. Raises ValueError for a file shorter than the spans, or
-        without ds-native's kernel (see :data:`COPY_KERNEL`)."""
+        """Copy each span into ``out`` (a contiguous CPU tensor's bytes), span ``i`` from byte
+        ``at[i]``, and give the CRC-32 of each as copied, in one pass over the file's pages.
+        Raises ValueError for a file shorter than the spans, or without ds-native's kernel (see
+        :data:`COPY_KERNEL`)."""
         self._check(spans)
         if _crc32_copy_spans is None:
-            raise ValueError("copy_crcs needs ds-native's crc32_copy_spans; upgrade ds-native")
-        return _crc32_copy_spans(self._view, spans, outs) if spans else []
+            raise ValueError(
+                "copy_crcs needs ds-native's crc32_copy_spans(at=...); upgrade ds-native"
+            )
+        return _crc32_copy_spans(self._view, spans, out, at=at) if spans else []
 
     def _check(self, spans: Sequence[tuple[int, int]]) -> None:
         last = max((start + length for start, length in spans), default=0)

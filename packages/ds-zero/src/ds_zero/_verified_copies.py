@@ -162,19 +162,13 @@ class _Region:
         with contextlib.suppress(OSError):  # a kernel built without THP: 4 KiB pages
             self._mapping.madvise(mmap.MADV_HUGEPAGE)
         self.capacity = nbytes
-        self._skip = 0
 
     def lend(self, nbytes: int) -> torch.Tensor:
         """The region's first ``nbytes`` (from its first 2 MiB boundary) as a uint8 tensor; the
         tensor, and every view of it, holds the mapping."""
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        self._skip = -whole.data_ptr() % _HUGE_PAGE
-        return whole[self._skip : self._skip + nbytes]
-
-    def lent_bytes(self, nbytes: int) -> memoryview:
-        """The bytes :meth:`lend` gave, as a writable memoryview (it, and every slice of it,
-        holds the mapping until released)."""
-        return memoryview(self._mapping)[self._skip : self._skip + nbytes]
+        skip = -whole.data_ptr() % _HUGE_PAGE
+        return whole[skip : skip + nbytes]
 
     def viewed(self) -> bool:
         """Whether a tensor still views the region (each ``torch.frombuffer`` storage holds a
@@ -253,19 +247,19 @@ class CopiedTensors:
     those jobs are done and matched. Built with :meth:`of`.
 
     A load takes each tensor once, after the verdict, so the tensors are made then, one
-    ``as_strided`` each; before it the copying jobs get plain byte ranges (memoryview slices of
-    a mapped buffer): no torch call per tensor on the loading thread before the verdict, nor
-    on the copying threads, which would hold the GIL for them. Three views a tensor made up
-    front cost a 100M-parameter model file (762 tensors) 2 ms of the loading thread before the
-    verdict on the 2-core VM (``start_verification`` 5.8 ms, now 3.7 ms; at 10M, 1.26 ms, now
-    0.67 ms: ``checkpoint_verify.py --stage 2 --no-optimizer-states --phases``)."""
+    ``as_strided`` each; before it a copying job gets the buffer and each tensor's byte offset
+    in it (``crc32_copy_spans(at=...)``): no torch call per tensor on the loading thread before
+    the verdict, nor on the copying threads, whose Python work holds the GIL beside the
+    loader's unpickling. Three views a tensor made up front cost a 100M-parameter model file
+    (762 tensors) 2 ms of the loading thread before the verdict on the 2-core VM
+    (``start_verification`` 5.8 ms, then 3.7 ms; at 10M, 1.26 ms, then 0.67 ms:
+    ``checkpoint_verify.py --stage 2 --no-optimizer-states --phases``)."""
 
     def __init__(self, spots: dict[str, tuple[int, int, torch.dtype, list[int]]]) -> None:
         # Allocated here, untouched: the copying threads write every byte.
         end = max((at + n for at, n, _, _ in spots.values()), default=0)
         memory, self._region = copy_buffer(-(-end // _ALIGN) * _ALIGN)  # whole dtypes
         self._memory: torch.Tensor | None = memory
-        self._bytes = self._region.lent_bytes(memory.numel()) if self._region else None
         self._spots = spots
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._order = list(spots)
@@ -295,14 +289,13 @@ class CopiedTensors:
             end += nbytes
         return cls(spots) if spots else None
 
-    def next_run(self, spans: Sequence[tuple[int, int]]) -> list[memoryview | torch.Tensor]:
-        """Where the next run of ``spans`` is copied (runs asked for in order): each tensor's
-        bytes, as a memoryview slice of a mapped buffer, else as a uint8 tensor."""
+    def next_run(self, spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Where the next run of ``spans`` is copied (runs asked for in order): the buffer, and
+        the byte offset in it of each span's tensor."""
         names = self._order[self._handed : self._handed + len(spans)]
         self._handed += len(spans)
-        memory = self._bytes if self._bytes is not None else self._memory
-        assert memory is not None, "next_run() after release()"
-        return [memory[at : at + n] for at, n, _, _ in (self._spots[name] for name in names)]
+        assert self._memory is not None, "next_run() after release()"
+        return self._memory, [self._spots[name][0] for name in names]
 
     def spot(self, name: str) -> tuple[torch.dtype, list[int]] | None:
         """The dtype and shape tensor ``name`` was copied as; None when it was not copied."""
@@ -340,8 +333,6 @@ class CopiedTensors:
         """Let go of the copies (the load is over): their buffer is kept for the next load if
         nothing else views it (see [Note: copy buffers kept for the next load])."""
         region, self._region = self._region, None
-        if self._bytes is not None:
-            self._bytes.release()
-        self._bytes, self._memory, self._typed = None, None, {}
+        self._memory, self._typed = None, {}
         if region is not None and not region.viewed():
             _keep(region)
