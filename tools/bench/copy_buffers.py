@@ -59,18 +59,21 @@ def _child(path: str, rounds: int, tensors: int) -> None:
     def copy_once() -> tuple[float, float, int]:
         copies = CopiedTensors.of(entries, list(entries))
         assert copies is not None
-        run: list = [*copies.next_run(spans)]  # the buffer and the offsets, let go below
         got: list[tuple[float, float, int]] = []
+        # The buffer and the offsets, taken by the job: its locals are gone when it returns,
+        # whereas the executor holds a job's arguments until after the result is set, and a
+        # buffer still viewed then is not kept.
+        handed = [copies.next_run(spans)]
 
         def job() -> None:
+            out, at = handed.pop()
             before, start = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
-            crc32_copy_spans(mapping, spans, run[0], at=run[1])
+            crc32_copy_spans(mapping, spans, out, at=at)
             took, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_THREAD)
             kernel = after.ru_stime - before.ru_stime
             got.append((took * 1e3, kernel * 1e3, after.ru_minflt - before.ru_minflt))
 
         worker.submit(job).result()
-        run.clear()
         copies.release()
         return got[0]
 

@@ -255,16 +255,19 @@ class CopiedTensors:
     (``start_verification`` 5.8 ms, then 3.7 ms; at 10M, 1.26 ms, then 0.67 ms:
     ``checkpoint_verify.py --stage 2 --no-optimizer-states --phases``)."""
 
-    def __init__(self, spots: dict[str, tuple[int, int, torch.dtype, list[int]]]) -> None:
+    def __init__(
+        self, spots: dict[str, tuple[int, int, torch.dtype, list[int]]], end: int, nbytes: int
+    ) -> None:
+        """``spots``: each tensor's byte offset, byte count, dtype and shape; ``end``: where the
+        last one ends; ``nbytes``: their bytes in all (see :meth:`of`)."""
         # Allocated here, untouched: the copying threads write every byte.
-        end = max((at + n for at, n, _, _ in spots.values()), default=0)
         memory, self._region = copy_buffer(-(-end // _ALIGN) * _ALIGN)  # whole dtypes
         self._memory: torch.Tensor | None = memory
         self._spots = spots
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._order = list(spots)
         self._handed = 0
-        self.nbytes = sum(n for _, n, _, _ in spots.values())
+        self.nbytes = nbytes
 
     @classmethod
     def of(
@@ -274,7 +277,7 @@ class CopiedTensors:
         None when one of them has an unknown dtype or a shape whose elements times the dtype's
         size is not its recorded byte count (the manifest is then wrong, and the check says
         so: nothing is copied)."""
-        spots, end = {}, 0
+        spots, end, total = {}, 0, 0
         for name in order:
             entry = entries[name]
             try:
@@ -286,8 +289,8 @@ class CopiedTensors:
                 return None
             end = -(-end // _ALIGN) * _ALIGN
             spots[name] = (end, nbytes, dtype, shape)
-            end += nbytes
-        return cls(spots) if spots else None
+            end, total = end + nbytes, total + nbytes
+        return cls(spots, end, total) if spots else None
 
     def next_run(self, spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
         """Where the next run of ``spans`` is copied (runs asked for in order): the buffer, and
