@@ -182,3 +182,28 @@ def test_a_job_taken_over_or_dropped_lets_go_of_its_arguments_at_once() -> None:
     free.set()
     stopper.join(10)
     assert first.done()
+
+
+def test_copy_crcs_to_copies_each_span_into_its_destination(data_file: tuple[Path, bytes]) -> None:
+    """Spans bound for two destinations: each copied where its destination's offsets say,
+    and the CRC-32s in the order of the spans."""
+    import torch
+
+    from ds_zero._checksums import COPY_KERNEL
+
+    if not COPY_KERNEL:
+        pytest.skip("ds-native's crc32_copy_spans(at=...) is not built")
+    path, data = data_file
+    spans = [(0, 100), (4096, 300), (70000, 64), (1 << 20, 4000)]
+    first, second = torch.zeros(8192, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)
+    places = [(first, [0, 2], [64, 1024]), (second, [1, 3], [0, 400])]
+    with MappedFile(path) as mapped:
+        crcs = mapped.copy_crcs_to(spans, places)
+        assert crcs == [zlib.crc32(data[a : a + n]) for a, n in spans]
+        one = torch.zeros(100, dtype=torch.uint8)  # one destination: one call
+        assert mapped.copy_crcs_to(spans[:1], [(one, [0], [0])]) == crcs[:1]
+        assert bytes(one.tolist()) == data[:100]
+    for out, indices, at in places:
+        for i, offset in zip(indices, at):
+            start, length = spans[i]
+            assert bytes(out[offset : offset + length].tolist()) == data[start : start + length]

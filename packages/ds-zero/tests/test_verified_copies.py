@@ -494,9 +494,10 @@ def test_copies_are_written_at_offsets_of_one_buffer_and_made_tensors_after(
     }
     copies = CopiedTensors.of(entries, list(values))
     assert copies is not None
-    first, places = copies.next_run([(0, int(entries["w"]["nbytes"]))])
-    rest, more = copies.next_run([(0, 1), (0, 1)])
+    ((first, indices, places),) = copies.next_run([(0, int(entries["w"]["nbytes"]))])
+    ((rest, more_indices, more),) = copies.next_run([(0, 1), (0, 1)])
     assert rest is first and places == [0] and more == [4 << 20, (4 << 20) + 64]
+    assert indices == [0] and more_indices == [0, 1]
     for place, t in zip(places + more, values.values()):  # what the copying kernel writes
         raw = t.contiguous().view(torch.uint8).flatten()
         first[place : place + raw.numel()].copy_(raw)
@@ -511,6 +512,69 @@ def test_copies_are_written_at_offsets_of_one_buffer_and_made_tensors_after(
     copies.release()
     assert len(_verified_copies._kept) == 1
     assert copies.tensor("w") is None and copies.spot("w") is None
+
+
+def test_tensors_named_into_are_copied_into_that_memory_and_read_from_it() -> None:
+    """``into``: the tensors named are copied into the caller's memory (one destination for
+    views of one storage, each at its own byte offset), the others into the buffer; the
+    tensors made after the verdict view that memory."""
+    from ds_zero._verified_copies import CopiedTensors
+
+    values = {
+        "a": torch.arange(6, dtype=torch.float32).view(2, 3),
+        "buffer": torch.tensor([7, 8], dtype=torch.int64),
+        "b": torch.arange(4, dtype=torch.float32) - 9,
+    }
+    entries = {
+        n: {"dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.itemsize}
+        for n, t in values.items()
+    }
+    master = torch.zeros(16, dtype=torch.float32)
+    into = {"a": master.narrow(0, 2, 6).view(2, 3), "b": master.narrow(0, 10, 4)}
+    copies = CopiedTensors.of(entries, list(values), into=into)
+    assert copies is not None and copies.into and copies.nbytes == 16  # the buffer: one tensor
+    runs = copies.next_run([(0, 1), (0, 1), (0, 1)])
+    assert len(runs) == 2
+    (target, target_indices, target_at), (buffer, buffer_indices, buffer_at) = sorted(
+        runs, key=lambda run: run[1][0]
+    )
+    assert buffer_indices == [1] and buffer_at == [0]
+    assert target_indices == [0, 2] and target_at == [8, 40]
+    assert target.data_ptr() == master.data_ptr() and target.numel() == 64
+    for index, place in zip(buffer_indices + target_indices, buffer_at + target_at):
+        out = buffer if index == 1 else target
+        raw = list(values.values())[index].contiguous().view(torch.uint8).flatten()
+        out[place : place + raw.numel()].copy_(raw)  # what the copying kernel writes
+    assert torch.equal(master[2:8], values["a"].flatten()) and torch.equal(
+        master[10:14], values["b"]
+    )
+    for name, t in values.items():
+        copy = copies.tensor(name)
+        assert copy is not None and torch.equal(copy, t)
+    a = copies.tensor("a")
+    assert a is not None and a.data_ptr() == master[2:].data_ptr()
+    copies.release()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        torch.zeros(6, dtype=torch.float64),  # another dtype
+        torch.zeros(5, dtype=torch.float32),  # another size
+        torch.zeros(12, dtype=torch.float32)[::2],  # not contiguous
+    ],
+)
+def test_into_is_all_or_nothing(target: torch.Tensor) -> None:
+    """One named tensor that cannot take its bytes: none is copied into the caller's memory
+    (a caller that restores them on a failed load treats them alike)."""
+    from ds_zero._verified_copies import CopiedTensors
+
+    entries = {n: {"dtype": "torch.float32", "shape": [6], "nbytes": 24} for n in ("good", "bad")}
+    fits = torch.zeros(6, dtype=torch.float32)
+    copies = CopiedTensors.of(entries, ["good", "bad"], into={"good": fits, "bad": target})
+    assert copies is not None and not copies.into and copies.nbytes == 48
+    missing = CopiedTensors.of(entries, ["good"], into={"good": fits, "bad": fits.clone()})
+    assert missing is not None and not missing.into
 
 
 def test_copies_are_refused_for_an_entry_whose_shape_and_dtype_miss_its_bytes() -> None:

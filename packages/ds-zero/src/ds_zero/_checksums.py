@@ -222,6 +222,22 @@ class MappedFile:
             )
         return _crc32_copy_spans(self._view, spans, out, at=at) if spans else []
 
+    def copy_crcs_to(
+        self,
+        spans: Sequence[tuple[int, int]],
+        places: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
+    ) -> list[int]:
+        """:meth:`copy_crcs` for spans bound for several destinations: ``places`` gives each
+        destination, the indices in ``spans`` of the spans it takes and their byte offsets in
+        it (one call a destination). The CRC-32 of each span, in the order of ``spans``."""
+        if len(places) == 1:
+            return self.copy_crcs(spans, places[0][0], places[0][2])
+        crcs = [0] * len(spans)
+        for out, indices, at in places:
+            for i, crc in zip(indices, self.copy_crcs([spans[i] for i in indices], out, at)):
+                crcs[i] = crc
+        return crcs
+
     def _check(self, spans: Sequence[tuple[int, int]]) -> None:
         last = max((start + length for start, length in spans), default=0)
         if last > self.size:

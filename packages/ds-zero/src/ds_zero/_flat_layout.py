@@ -17,7 +17,7 @@ partition instead of tensors, as in DeepSpeed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import ds_comm
 from ds_optim import global_grad_norm
 from ds_zero._checkpoint import FORMAT, resolve_states
 from ds_zero._gather import gather_partition
-from ds_zero._layout import FlatGroup, build_layout
+from ds_zero._layout import FlatGroup, FlatUnit, build_layout
 from ds_zero._offload import (
     StateSwap,
     accepts_fp16_param_groups,
@@ -283,14 +283,52 @@ class FlatLayout:
         # a generator: a whole residency never walks it
         self.residency.after_publish(p for g in self.groups for p in g.params)
 
-    def refresh_fp32_params(self) -> None:
+    def refresh_fp32_params(self, exclude: Collection[str] = ()) -> None:
         """Rebuild the fp32 master partitions from the model's parameters (DeepSpeed's name),
-        e.g. after loading module weights without optimizer state."""
+        e.g. after loading module weights without optimizer state; the parameters named in
+        ``exclude`` (their masters already hold the loaded values, see :meth:`master_views`)
+        are left as they are."""
         if self._master_is_flat:
             return
+        exclude = set(exclude)
         with torch.no_grad():
             for group, master in zip(self.groups, self.masters):
-                self._master_from_params(group, master)
+                rank = self._shard_rank(group)
+                names = iter(group.names)
+                for unit in group.units:
+                    members = [next(names) for _ in unit.params]
+                    if not exclude or exclude.isdisjoint(members):
+                        unit.in_partition(master).copy_(unit.shard(group.flat, rank))
+                        continue
+                    for name, (start, numel, at) in zip(members, _owned(unit, rank)):
+                        if numel and name not in exclude:
+                            target = master.narrow(0, at, numel)
+                            target.copy_(group.flat.narrow(0, unit.start + start, numel))
+
+    def master_views(self) -> dict[str, torch.Tensor]:
+        """Each trainable parameter whose elements this rank's fp32 master partition holds
+        whole, by name, as a view of the master shaped like the parameter: where a load may
+        write the loaded weights directly, before the model's parameters, so that they are
+        copied into the parameters and not back into the masters (see ds-engine's [Note:
+        weights loaded into the masters]). Empty where the masters are not separate fp32
+        memory the CPU can write: the parameters' own buffer (fp32 without a sharded optimizer
+        state), swapped to NVMe, or on an accelerator. Empty too for parameters in a lower
+        precision: a failed load puts the masters back from the parameters
+        (:meth:`refresh_fp32_params`), which is exact only when those are fp32 too."""
+        if self._master_is_flat or self._swap is not None:
+            return {}
+        views: dict[str, torch.Tensor] = {}
+        for group, master in zip(self.groups, self.masters):
+            if master.device.type != "cpu" or group.flat.dtype != torch.float32:
+                return {}
+            rank = self._shard_rank(group)
+            names = iter(group.names)
+            for unit in group.units:
+                for param, (_, numel, at) in zip(unit.params, _owned(unit, rank)):
+                    name = next(names)
+                    if numel and numel == param.numel():
+                        views[name] = master.narrow(0, at, numel).view(param.shape)
+        return views
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -470,3 +508,15 @@ def _clone_tensors(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_clone_tensors(v) for v in obj]
     return obj
+
+
+def _owned(unit: FlatUnit, rank: int) -> Iterator[tuple[int, int, int]]:
+    """For each member of ``unit``: where the part rank ``rank``'s shard holds starts in the
+    unit (its element offset), how many elements it holds (0: none), and where they sit in
+    the rank's partition."""
+    low = rank * unit.shard_numel
+    high = low + unit.shard_numel
+    for param, offset in zip(unit.params, unit.offsets):
+        start, end = max(offset, low), min(offset + param.numel(), high)
+        numel = max(0, end - start)
+        yield start, numel, unit.shard_start + (start - low) if numel else 0

@@ -129,7 +129,6 @@ from ds_zero._read_checks import (
     gap_spans,
     listing,
     loaded_matches,
-    map_tensors,
     partial_problem,
     read_parts,
     tensor_crcs,
@@ -295,8 +294,10 @@ class PendingVerification:
         overlap: bool = True,
         loaded: Collection[str] = (),
         ahead: bool = True,
+        into: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         self.directory, self.group, self.values = directory, group, values
+        self._into = into or {}
         self._read_whole = frozenset(loaded)
         self.rank, self.world = ranks_in(group)
         self.manifest: dict[str, Any] = {}
@@ -468,7 +469,7 @@ class PendingVerification:
             jobs = [self._pool.submit(mapped.crcs, run) for run in runs]
         else:  # copied out as hashed (see [Note: copying while verifying])
             self._copies[name] = copies
-            jobs = [self._pool.submit(mapped.copy_crcs, r, *copies.next_run(r)) for r in runs]
+            jobs = [self._pool.submit(mapped.copy_crcs_to, r, copies.next_run(r)) for r in runs]
         # The bytes between the tensors (a few hundred small spans), through the mapping in one
         # native call. A file whose tensors are in the page cache (``if_cached``) has them there
         # too, as does one whose checkpoint's small files are (``gaps_now``: a page cache holds
@@ -492,10 +493,8 @@ class PendingVerification:
         whole = name in self._read_whole
         if not COPY_KERNEL or not (whole or (self.values is not None and _is_shard_file(name))):
             return None
-        copied = sum(c.nbytes for c in self._copies.values())
-        if copied + sum(int(entries[n]["nbytes"]) for n in order) > COPY_AHEAD_BYTES:
-            return None
-        return CopiedTensors.of(entries, order)
+        budget = COPY_AHEAD_BYTES - sum(c.nbytes for c in self._copies.values())
+        return CopiedTensors.of(entries, order, into=self._into.get(name), budget=budget)
 
     def _name(self, path: str | os.PathLike[str]) -> str | None:
         """``path`` relative to the directory, as its manifest names it (None: outside it)."""
@@ -510,6 +509,14 @@ class PendingVerification:
         tensor's bytes) and takes the values from :meth:`verified_object` after the verdict
         (see [Note: copying the file the loader reads whole])."""
         return self._verdict is None and self._name(path) in self._copies
+
+    def copying_into(self, path: str | os.PathLike[str]) -> bool:
+        """Whether the tensors ``start_verification(into=...)`` named for file ``path`` are
+        being copied into the memory named there (all of them; otherwise none is): the caller
+        puts that memory back if the load fails (see ds-engine's [Note: weights loaded into
+        the masters])."""
+        copies = self._copies.get(self._name(path) or "")
+        return copies is not None and copies.into
 
     def verified_object(self, path: str | os.PathLike[str], obj: Any) -> Any:
         """``obj``, what ``torch.load(path, mmap=True)`` returned while :meth:`copying` said so,
@@ -526,24 +533,7 @@ class PendingVerification:
             raise RuntimeError("verified_object() before the verdict (PendingVerification.wait)")
         file = self._name(path) or ""
         copies = self._copies.get(file)
-        if copies is None:
-            return obj
-
-        def verified(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            spot = copies.spot(name)
-            if spot is None:
-                return tensor.clone()  # unlisted: no bytes (see _tensor_index)
-            dtype, shape = spot
-            if dtype != tensor.dtype or shape != list(tensor.shape):
-                raise CheckpointError(
-                    f"{self.directory / file}: tensor {name!r} reads as {tensor.dtype} "
-                    f"{list(tensor.shape)}, its manifest records {dtype} {shape}"
-                )
-            # The same view of the copy; a strided tensor's entry holds its whole storage.
-            offset = 0 if tensor.is_contiguous() else int(tensor.storage_offset())
-            return copies.view_as(name, tensor.shape, tensor.stride(), offset)
-
-        return map_tensors(obj, verified)
+        return obj if copies is None else copies.swapped(obj, self.directory / file)
 
     def verified_copy(self, path: str | os.PathLike[str], tensor: str) -> torch.Tensor | None:
         """Tensor ``tensor`` of file ``path`` as copied while hashed and found to match, once
@@ -741,6 +731,7 @@ def start_verification(
     values: Collection[str] | None = None,
     loaded: Collection[str] = (),
     ahead: bool = True,
+    into: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> PendingVerification:
     """Start checking a checkpoint directory against its ``ds_manifest.json`` on threads and
     return at once, so the checksums overlap the loader's reads (see [Note: verification
@@ -761,6 +752,10 @@ def start_verification(
     for its core (and apart, at the verdict, if never handed over). ``ahead``: False when the
     load may turn out not to read the shard files (a ZeRO-1/2 load without the optimizer's
     states): they are then not hashed ahead, which could be wasted work the verdict waits for.
+    ``into``: per file of ``loaded``, tensors (by name) to copy into the given memory as they
+    are hashed, instead of into the check's own copies, where the file is copied (see
+    :meth:`~PendingVerification.copying_into`): that memory holds unchecked bytes until the
+    verdict, and the caller puts it back if the load fails.
 
     Example:
         >>> with start_verification(path) as pending:
@@ -768,7 +763,9 @@ def start_verification(
         ...     pending.wait()  # every rank's verdict
         ...     model.load_state_dict(state)
     """
-    return PendingVerification(Path(directory), group, values, loaded=loaded, ahead=ahead)
+    return PendingVerification(
+        Path(directory), group, values, loaded=loaded, ahead=ahead, into=into
+    )
 
 
 def verify_directory(directory: str | os.PathLike[str], *, group: Any = None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ up with the flat-bucket layout (``_flat_layout.py``) and whole parameters (``_re
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -133,10 +133,21 @@ class ZeroOptimizer(GradientCore):
 
     # --- the layout's state, checkpoint shards and memory ----------------------------------------
 
-    def refresh_fp32_params(self) -> None:
+    def refresh_fp32_params(self, exclude: Collection[str] = ()) -> None:
         """Rebuild the fp32 master partitions from the model's parameters (DeepSpeed's name),
-        e.g. after loading module weights without optimizer state."""
-        self.layout.refresh_fp32_params()
+        e.g. after loading module weights without optimizer state; those of the parameters
+        named in ``exclude`` are left as they are (a load wrote them, see
+        :meth:`master_views`)."""
+        self.layout.refresh_fp32_params(exclude)
+
+    def master_views(self) -> dict[str, torch.Tensor]:
+        """Each trainable parameter this rank's fp32 master partition holds whole, by name, as
+        a view of the master shaped like the parameter (empty where the masters are not
+        separate fp32 memory on the CPU). A weights-only load may write the weights there and
+        copy them into the parameters, then :meth:`refresh_fp32_params` with these names
+        excluded: one copy fewer. If the load fails after writing them,
+        ``refresh_fp32_params()`` puts the masters back from the unchanged parameters."""
+        return self.layout.master_views()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's sharded state: its master partition, optimizer state and the layout.

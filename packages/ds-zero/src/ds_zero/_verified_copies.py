@@ -125,7 +125,7 @@ from typing import Any
 
 import torch
 
-from ds_zero._read_checks import dtype_of
+from ds_zero._read_checks import dtype_of, map_tensors
 from ds_zero._sealed import CheckpointError
 
 __all__ = ["COPY_AHEAD_BYTES", "CopiedTensors", "copy_buffer", "huge_pages_offered"]
@@ -242,42 +242,62 @@ def copy_buffer(nbytes: int) -> tuple[torch.Tensor, _Region | None]:
 
 class CopiedTensors:
     """Tensors of one file (named as in its manifest record), each copied into bytes of its own
-    in one buffer (:func:`copy_buffer`) by checksum jobs over consecutive runs of them (see
-    [Note: copying while verifying]); read with :meth:`tensor` or :meth:`view_as` only once
-    those jobs are done and matched. Built with :meth:`of`.
+    in one buffer (:func:`copy_buffer`), or into memory the caller named (``into``, see
+    ds-engine's [Note: weights loaded into the masters]), by checksum jobs over consecutive
+    runs of them (see [Note: copying while verifying]); read with :meth:`tensor` or
+    :meth:`view_as` only once those jobs are done and matched. Built with :meth:`of`.
 
     A load takes each tensor once, after the verdict, so the tensors are made then, one
-    ``as_strided`` each; before it a copying job gets the buffer and each tensor's byte offset
-    in it (``crc32_copy_spans(at=...)``): no torch call per tensor on the loading thread before
-    the verdict, nor on the copying threads, whose Python work holds the GIL beside the
+    ``as_strided`` each; before it a copying job gets each destination and each tensor's byte
+    offset in it (``crc32_copy_spans(at=...)``): no torch call per tensor on the loading thread
+    before the verdict, nor on the copying threads, whose Python work holds the GIL beside the
     loader's unpickling. Three views a tensor made up front cost a 100M-parameter model file
     (762 tensors) 2 ms of the loading thread before the verdict on the 2-core VM
     (``start_verification`` 5.8 ms, then 3.7 ms; at 10M, 1.26 ms, then 0.67 ms:
     ``checkpoint_verify.py --stage 2 --no-optimizer-states --phases``)."""
 
     def __init__(
-        self, spots: dict[str, tuple[int, int, torch.dtype, list[int]]], end: int, nbytes: int
+        self,
+        spots: dict[str, tuple[int, int, torch.dtype, list[int], int]],
+        end: int,
+        nbytes: int,
+        targets: Sequence[torch.Tensor] = (),
     ) -> None:
-        """``spots``: each tensor's byte offset, byte count, dtype and shape; ``end``: where the
-        last one ends; ``nbytes``: their bytes in all (see :meth:`of`)."""
+        """``spots``: each tensor's byte offset in its destination, byte count, dtype, shape
+        and destination (0: the buffer; ``i``: ``targets[i - 1]``, the bytes of a storage the
+        caller named); ``end``: where the buffer's last tensor ends; ``nbytes``: the buffer's
+        tensors' bytes in all (see :meth:`of`)."""
         # Allocated here, untouched: the copying threads write every byte.
         memory, self._region = copy_buffer(-(-end // _ALIGN) * _ALIGN)  # whole dtypes
-        self._memory: torch.Tensor | None = memory
+        self._destinations: list[torch.Tensor] = [memory, *targets]
         self._spots = spots
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._order = list(spots)
         self._handed = 0
         self.nbytes = nbytes
+        self.into = bool(targets)
+        """Whether tensors are copied into the memory the caller named (all it named)."""
 
     @classmethod
     def of(
-        cls, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]
+        cls,
+        entries: Mapping[str, Mapping[str, Any]],
+        order: Sequence[str],
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        budget: int = COPY_AHEAD_BYTES,
     ) -> CopiedTensors | None:
         """The copies of tensors ``order`` (in this order in the buffer, 64-byte aligned), or
         None when one of them has an unknown dtype or a shape whose elements times the dtype's
         size is not its recorded byte count (the manifest is then wrong, and the check says
-        so: nothing is copied)."""
+        so: nothing is copied), or when the buffer would pass ``budget`` bytes. ``into``: the
+        tensors named there are copied into those tensors (contiguous, on the CPU, sharing no
+        memory with each other) instead of the buffer, if every one of them is in ``order``
+        with its dtype and byte count; otherwise none is."""
+        direct = _fitting(entries, order, into or {})
         spots, end, total = {}, 0, 0
+        targets: list[torch.Tensor] = []
+        where: dict[int, int] = {}  # a storage's address: its destination
         for name in order:
             entry = entries[name]
             try:
@@ -287,29 +307,51 @@ class CopiedTensors:
             shape, nbytes = [int(s) for s in entry["shape"]], int(entry["nbytes"])
             if math.prod(shape) * dtype.itemsize != nbytes:
                 return None
+            target = direct.get(name)
+            if target is not None:
+                storage = target.untyped_storage()
+                if storage.data_ptr() not in where:
+                    targets.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+                    where[storage.data_ptr()] = len(targets)
+                place = target.storage_offset() * target.element_size()
+                spots[name] = (place, nbytes, dtype, shape, where[storage.data_ptr()])
+                continue
             end = -(-end // _ALIGN) * _ALIGN
-            spots[name] = (end, nbytes, dtype, shape)
+            spots[name] = (end, nbytes, dtype, shape, 0)
             end, total = end + nbytes, total + nbytes
-        return cls(spots, end, total) if spots else None
+        if total > budget:
+            return None
+        return cls(spots, end, total, targets) if spots else None
 
-    def next_run(self, spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
-        """Where the next run of ``spans`` is copied (runs asked for in order): the buffer, and
-        the byte offset in it of each span's tensor."""
+    def next_run(
+        self, spans: Sequence[tuple[int, int]]
+    ) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """Where the next run of ``spans`` is copied (runs asked for in order): per
+        destination, the destination, the indices of the spans it takes and the byte offset
+        in it of each one's tensor."""
         names = self._order[self._handed : self._handed + len(spans)]
         self._handed += len(spans)
-        assert self._memory is not None, "next_run() after release()"
-        return self._memory, [self._spots[name][0] for name in names]
+        assert self._destinations, "next_run() after release()"
+        places: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for i, name in enumerate(names):
+            at, _, _, _, destination = self._spots[name]
+            _, indices, offsets = places.setdefault(
+                destination, (self._destinations[destination], [], [])
+            )
+            indices.append(i)
+            offsets.append(at)
+        return list(places.values())
 
     def spot(self, name: str) -> tuple[torch.dtype, list[int]] | None:
         """The dtype and shape tensor ``name`` was copied as; None when it was not copied."""
         spot = self._spots.get(name)
-        return None if spot is None or self._memory is None else (spot[2], spot[3])
+        return None if spot is None or not self._destinations else (spot[2], spot[3])
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """Tensor ``name`` as copied (its dtype and shape as recorded, contiguous); None when it
         was not copied."""
         spot = self._spots.get(name)
-        if spot is None or self._memory is None:
+        if spot is None or not self._destinations:
             return None
         stride, size = [], 1
         for extent in reversed(spot[3]):
@@ -323,19 +365,70 @@ class CopiedTensors:
         """The copy of tensor ``name`` (copied: see :meth:`spot`) viewed with ``shape`` and
         ``stride`` from element ``offset`` of its bytes: what a loaded tensor of the same dtype
         viewed in the file's bytes, now in the checked copy."""
-        at, _, dtype, _ = self._spots[name]
-        typed = self._typed.get(dtype)
+        at, _, dtype, _, destination = self._spots[name]
+        typed = self._typed.get((destination, dtype))
         if typed is None:
-            assert self._memory is not None, "view_as() after release()"
-            typed = self._typed[dtype] = self._memory.view(dtype)
+            assert self._destinations, "view_as() after release()"
+            typed = self._destinations[destination].view(dtype)
+            self._typed[destination, dtype] = typed
         return typed.as_strided(
             shape, stride, typed.storage_offset() + at // dtype.itemsize + offset
         )
+
+    def swapped(self, obj: Any, path: os.PathLike[str]) -> Any:
+        """``obj``, loaded from file ``path`` by ``torch.load(mmap=True)``, with each tensor
+        swapped for its copy (the same view of it; a tensor the manifest does not list, one
+        with no bytes, cloned). Raises CheckpointError, naming the file and the tensor, for a
+        tensor whose dtype or shape in ``obj`` is not its manifest's (its copy would be read as
+        something else)."""
+
+        def verified(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            spot = self.spot(name)
+            if spot is None:
+                return tensor.clone()  # unlisted: no bytes (see _tensor_index)
+            dtype, shape = spot
+            if dtype != tensor.dtype or shape != list(tensor.shape):
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} reads as {tensor.dtype} "
+                    f"{list(tensor.shape)}, its manifest records {dtype} {shape}"
+                )
+            # The same view of the copy; a strided tensor's entry holds its whole storage.
+            offset = 0 if tensor.is_contiguous() else int(tensor.storage_offset())
+            return self.view_as(name, tensor.shape, tensor.stride(), offset)
+
+        return map_tensors(obj, verified)
 
     def release(self) -> None:
         """Let go of the copies (the load is over): their buffer is kept for the next load if
         nothing else views it (see [Note: copy buffers kept for the next load])."""
         region, self._region = self._region, None
-        self._memory, self._typed = None, {}
+        self._destinations, self._typed = [], {}
         if region is not None and not region.viewed():
             _keep(region)
+
+
+def _fitting(
+    entries: Mapping[str, Mapping[str, Any]],
+    order: Sequence[str],
+    into: Mapping[str, torch.Tensor],
+) -> Mapping[str, torch.Tensor]:
+    """``into`` if each of its tensors can take the bytes of the tensor of ``order`` it names
+    (the same dtype and byte count; contiguous, on the CPU), else nothing: a caller that puts
+    back what a failed load wrote treats all of them alike."""
+    wanted = set(order)
+    for name, target in into.items():
+        entry = entries.get(name)
+        if name not in wanted or entry is None:
+            return {}
+        try:
+            dtype = dtype_of(entry)
+        except CheckpointError:
+            return {}
+        if (
+            dtype != target.dtype
+            or int(entry["nbytes"]) != target.numel() * target.element_size()
+            or not target.is_contiguous()
+            or target.device.type != "cpu"
+        ):
+            return {}
+    return into
