@@ -202,8 +202,15 @@ def runs(
 #   on the idle 16-core host (copied into fresh huge pages), while the loader, left nothing to
 #   copy itself, waited 4-12 ms for it at the verdict. Such jobs are no smaller than
 #   _AHEAD_COPY_JOB, again about 4 ms of work: the 40 MB are five jobs on the host's eight
-#   threads, and still one on a 2-core machine's one thread. Two threads of the 2-core VM
-#   copied and hashed the 40 MB in 10 ms as two jobs, 18.5 ms as one.
+#   threads. Two threads of the 2-core VM copied and hashed the 40 MB in 10 ms as two jobs,
+#   18.5 ms as one.
+# - Copying jobs are no larger than _AHEAD_COPY_JOB either, whatever the number of threads: a
+#   load that copies waits for those copies at the verdict with nothing else to do, so its
+#   loading thread takes the jobs no thread has started. A 2-core machine's one thread had
+#   the 42 MB of a 10M-parameter model file as one job, which the loader, done reading the
+#   file's structure after 3 ms, waited 9.0 ms for; as five jobs the two cores share them and
+#   the wait was 6.3 ms (``checkpoint_verify.py --params 10 --stage 2 --no-optimizer-states
+#   --phases --mapped-baseline``, the 2-core VM). The host already had five.
 _AHEAD_JOB = 48 << 20
 _AHEAD_COPY_JOB = 8 << 20
 
@@ -212,10 +219,13 @@ def ahead_jobs(
     spans: Sequence[tuple[int, int]], threads: int, *, copying: bool = False
 ) -> list[list[tuple[int, int]]]:
     """``(offset, bytes)`` spans of a file in runs, one job each, for ``threads`` checksum
-    threads hashing it ahead of the loader, and copying it out if ``copying`` (see [Note:
-    jobs hashing ahead])."""
+    threads hashing it ahead of the loader, and copying it out if ``copying`` (jobs of
+    :data:`_AHEAD_COPY_JOB` then, which the waiting loader shares; see [Note: jobs hashing
+    ahead])."""
+    if copying:
+        return runs(spans, lambda span: span[1], _AHEAD_COPY_JOB)
     share = sum(n for _, n in spans) // max(1, threads)
-    return runs(spans, lambda span: span[1], max(share, _AHEAD_COPY_JOB if copying else _AHEAD_JOB))
+    return runs(spans, lambda span: span[1], max(share, _AHEAD_JOB))
 
 
 def batches(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
