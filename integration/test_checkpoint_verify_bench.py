@@ -76,6 +76,9 @@ def test_one_process_prints_a_row_per_setting_and_the_phases() -> None:
     assert all(float(cell) > 1 for cell in whole.strip("|").split("|")[1:]), whole  # ms, not s
     for phase in ("wait", "verified_object", "close"):
         assert f"| PendingVerification.{phase} |" in out, out
+    module = re.search(r"^\| _load_module \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
+    assert module is not None and float(module.group(1)) > 0, out  # both arms set the weights
+    assert "| ZeroOptimizer.refresh_fp32_params |" in out, out
     manifest = re.search(r"^\| read_directory_manifest \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
     assert manifest is not None and float(manifest.group(2)) > 0, out  # read only when verified
     faults = re.search(

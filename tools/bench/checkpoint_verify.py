@@ -114,6 +114,9 @@ class _NoCheck:
     def copying(self, path: object) -> bool:
         return self.mapped
 
+    def copying_into(self, path: object) -> bool:
+        return False  # the unchecked load reads the weights into the model, then the masters
+
     def verified_object(self, path: object, obj: object) -> object:
         return obj
 
@@ -160,7 +163,9 @@ def _unverified(mapped: bool = False) -> Iterator[None]:
 
 # (module, attribute) of each load phase timed by --phases; start_verification (of which the
 # manifest's reading), the wait, the swap of the model file's tensors for their checked copies
-# and the close are the verification's own, the others run in both arms.
+# and the close are the verification's own, the others run in both arms (the module's weights
+# set from the state dict, and a ZeRO-1/2 optimizer's masters rebuilt from them, all of them
+# unless the check copied the weights into the masters).
 _PHASES = (
     ("ds_engine._checkpoint", "start_verification"),
     ("ds_zero._integrity", "read_directory_manifest"),
@@ -170,6 +175,8 @@ _PHASES = (
     ("ds_zero._integrity", "PendingVerification.wait"),
     ("ds_zero._integrity", "PendingVerification.verified_object"),
     ("ds_zero._integrity", "PendingVerification.close"),
+    ("ds_engine._checkpoint", "_load_module"),
+    ("ds_zero._optimizer", "ZeroOptimizer.refresh_fp32_params"),
 )
 # The checksum functions, run on the hashing threads: their time is summed over the threads
 # (the copies made while hashing, and the gaps of a mapped file, included).

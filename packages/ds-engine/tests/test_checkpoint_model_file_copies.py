@@ -2,7 +2,10 @@
 hashing the file (ds-zero's [Note: copying the file the loader reads whole]): the loader maps
 the file for its structure only; the weights equal a plain read's; bytes rewritten in the file
 after the verdict are not loaded; a tensor changed while it was copied is refused though
-restored by the verdict; and the copy buffer is kept for the next load."""
+restored by the verdict; and the copy buffer is kept for the next load. In fp32 the copies
+are the fp32 masters themselves (ds-engine's [Note: weights loaded into the masters]): the
+weights and the masters equal the saved ones on 1 and 2 ranks, and a refused load leaves the
+model and its masters as they were."""
 
 from __future__ import annotations
 
@@ -30,13 +33,14 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _engine(seed: int):
+def _engine(seed: int, bf16: bool = False, stage: int = 2):
     """ZeRO-2 over 8 MiB of weights: a model file too big to hash on the loading thread."""
     import ds_engine
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(IN, 1024), torch.nn.Linear(1024, 2048))
-    engine, *_ = ds_engine.initialize(model=model, config=config(zero_optimization={"stage": 2}))
+    section = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    engine, *_ = ds_engine.initialize(model=model, config=config(**section))
     return engine
 
 
@@ -44,8 +48,15 @@ def _weights(engine: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
-def _save_body(rank: int, world_size: int, *, root: str) -> list[torch.Tensor]:
-    engine = _engine(0)
+def _masters_fit(engine: Any) -> bool:
+    """Whether the fp32 masters hold what the parameters hold (rebuilt from them: the same)."""
+    masters = [m.clone() for m in engine.optimizer.masters]
+    engine.optimizer.refresh_fp32_params()
+    return all(torch.equal(a, b) for a, b in zip(masters, engine.optimizer.masters))
+
+
+def _save_body(rank: int, world_size: int, *, root: str, bf16: bool = False) -> list[torch.Tensor]:
+    engine = _engine(0, bf16)
     engine.save_checkpoint(root, tag=TAG)
     return _weights(engine)
 
@@ -59,24 +70,33 @@ def _load_body(
     loads: int = 1,
     before_verdict: tuple[int, bytes] | None = None,
     after_verdict: tuple[int, bytes] | None = None,
+    bf16: bool = False,
+    stage: int = 2,
 ) -> dict[str, Any]:
     """``loads`` weights-only loads with a core to spare, copying while hashing or not;
     ``before_verdict``: ``(offset, bytes)`` written into the model file once it is hashed (and
     copied) and before the verdict; ``after_verdict``: just after it. Returns the weights,
     whether the loader mapped the file, and the copy buffers kept before the loads and after
-    each, or the error that refused the load."""
+    each, or the error that refused the load; and whether the weights were copied into the
+    fp32 masters, the weights before the loads, and whether the masters then held the weights."""
     from ds_zero import CheckpointError, _integrity, _verified_copies
 
     pending = _integrity.PendingVerification
-    asked = pending.copying
+    asked, asked_into = pending.copying, pending.copying_into
     mapped: list[bool] = []
+    into: list[bool] = []
 
     def copying(self, path):
         mapped.append(asked(self, path))
         return mapped[-1]
 
-    pending.copying = copying
-    engine = _engine(5)
+    def copying_into(self, path):
+        into.append(asked_into(self, path))
+        return into[-1]
+
+    pending.copying, pending.copying_into = copying, copying_into
+    engine = _engine(5, bf16, stage)
+    before = _weights(engine)
     kept = [[id(r) for r in _verified_copies._kept]]  # an earlier test's, in this process
     model_file = Path(root) / TAG / MODEL_FILE
     try:
@@ -87,16 +107,36 @@ def _load_body(
                 engine.load_checkpoint(root, tag=TAG, load_optimizer_states=False)
                 kept.append([id(r) for r in _verified_copies._kept])
     except CheckpointError as exc:
-        return {"refused": str(exc)}
+        unchanged = _same(_weights(engine), before)
+        return {
+            "refused": str(exc),
+            "into": into,
+            "unchanged": unchanged,
+            "fit": _masters_fit(engine),
+        }
     finally:
-        pending.copying = asked
-    return {"weights": _weights(engine), "mapped": mapped, "kept": kept}
+        pending.copying, pending.copying_into = asked, asked_into
+    weights = _weights(engine)
+    return {
+        "weights": weights,
+        "mapped": mapped,
+        "kept": kept,
+        "into": into,
+        "fit": _masters_fit(engine),
+    }
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor]]:
     root = tmp_path_factory.mktemp("model_copies") / "ckpt"
     (weights,) = run_on_ranks(_save_body, 1, root=str(root), timeout=300)
+    return root, weights
+
+
+@pytest.fixture(scope="module")
+def saved_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor]]:
+    root = tmp_path_factory.mktemp("model_copies_bf16") / "ckpt"
+    (weights,) = run_on_ranks(_save_body, 1, root=str(root), bf16=True, timeout=300)
     return root, weights
 
 
@@ -123,12 +163,43 @@ def _copy_of(root: Path, folder: Path) -> Path:
 
 
 @needs_kernel
-def test_the_weights_come_from_the_copies_and_equal_the_saved_ones(
+def test_the_weights_come_from_the_masters_and_equal_the_saved_ones(
     saved: tuple[Path, list[torch.Tensor]],
 ) -> None:
+    """fp32: the weights are copied into the fp32 masters as they are hashed, and from there
+    into the parameters; the masters are not rebuilt from the parameters after."""
     root, weights = saved
     copying, reading = _load(root, copy=True, loads=2), _load(root, copy=False)
     assert copying["mapped"] == [True, True] and reading["mapped"] == [False]
+    assert copying["into"] == [True, True] and reading["into"] == [False]
+    assert _same(copying["weights"], weights) and _same(reading["weights"], weights)
+    assert copying["fit"] and reading["fit"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@needs_kernel
+def test_on_two_ranks_each_rank_loads_its_masters_and_the_weights_agree(
+    saved: tuple[Path, list[torch.Tensor]], stage: int
+) -> None:
+    """On two ranks each loads into its own masters (the parameters that straddle the two
+    partitions are rebuilt from the weights); every rank ends with the saved weights."""
+    root, weights = saved
+    results = run_on_ranks(_load_body, 2, root=str(root), copy=True, stage=stage, timeout=300)
+    assert any(r["into"] == [True] for r in results)  # the rank that hashes the model file
+    for result in results:
+        assert _same(result["weights"], weights) and result["fit"]
+
+
+@needs_kernel
+def test_the_weights_come_from_the_copies_and_equal_the_saved_ones(
+    saved_bf16: tuple[Path, list[torch.Tensor]],
+) -> None:
+    """bf16: the masters are fp32, the file bf16; the weights come from the check's copies."""
+    root, weights = saved_bf16
+    copying = _load(root, copy=True, loads=2, bf16=True)
+    reading = _load(root, copy=False, bf16=True)
+    assert copying["mapped"] == [True, True] and reading["mapped"] == [False]
+    assert copying["into"] == [False, False]
     assert _same(copying["weights"], weights) and _same(reading["weights"], weights)
     from ds_zero._verified_copies import huge_pages_offered
 
@@ -162,3 +233,5 @@ def test_a_weight_changed_while_copied_is_refused_though_restored(
     write_at(root / TAG / MODEL_FILE, offset, bytes(b ^ 0x40 for b in good))
     result = _load(root, copy=True, before_verdict=(offset, good))
     assert f"{MODEL_FILE} corrupted" in result["refused"], result
+    # the corrupted bytes went into a master before the verdict: it was put back
+    assert result["into"] == [True] and result["unchanged"] and result["fit"]

@@ -188,6 +188,7 @@ def _two_loads_body(rank: int, world_size: int, *, root: str) -> dict[str, Any]:
     saved = _integrity.spare_core, _integrity.in_page_cache
     _integrity.spare_core = lambda: True  # hashed (and copied) ahead, as on a spare core
     _integrity.in_page_cache = lambda path, offsets: True
+    _verified_copies._kept.clear()  # an earlier test's, in this worker (it may be too small)
     kept = []
     try:
         first, second = _wide_engine(3), _wide_engine(4)

@@ -22,6 +22,33 @@ ranges are read into memory of the loader's own; the verdict is waited for befor
 written (ds-zero's [Note: verification overlapped with reading]). Every file read names the
 file when it is absent or unreadable.
 
+[Note: weights loaded into the masters]
+A ZeRO-1/2 load without the optimizer's states put the model file's weights into the
+parameters, then rebuilt the fp32 masters from them (``refresh_fp32_params``). Checked, the
+checksum threads first copied the file into buffers of their own as they hashed it (ds-zero's
+[Note: copying the file the loader reads whole]): three passes over the weights, where an
+unchecked load that maps the file makes two, and on a machine that copies at memory speed that
+pass was the check's whole cost (+48% on the 2-core VM at 10M parameters against
+``tools/bench/checkpoint_verify.py --mapped-baseline``). Where the masters are fp32 memory of
+their own on the CPU and the parameters are fp32 too, the threads now copy each weight this
+rank's partition holds whole straight into its master as they hash it
+(``ZeroOptimizer.master_views``, ds-zero's ``start_verification(into=...)``); after the verdict
+the parameters are loaded from the masters (the state dict's tensors are views of them) and
+only the masters not so written are rebuilt from the parameters
+(``refresh_fp32_params(exclude=...)``: the parameters that straddle two ranks' partitions, or
+every one on a rank whose share of the check does not include the model file). Two passes, as
+unchecked, the first on the checksum threads, which the loading thread helps while it waits.
+
+The masters are written before the verdict; the parameters, which the user's model is, are
+not. The masters are the optimizer's own copy of the same fp32 values (the optimizer publishes
+them into the parameters every step), so a load that fails, by a refused verdict or an error
+after it, puts every master back from the parameters once the checksum threads have stopped
+(``refresh_fp32_params()``): the model and its optimizer are left as they were. That is exact
+only from fp32 parameters, so bf16 and fp16 models (whose file holds 16-bit weights, not the
+fp32 the masters take, anyway) load as before, as do masters on an accelerator or on NVMe, a
+``custom_load_fn`` and MoE models. It is all or nothing: one weight whose dtype or size in the
+manifest is not its master's, and none is copied into the masters.
+
 [Note: weights-only checkpoints]
 Everything is loaded with ``torch.load(weights_only=True)``: a file can hold tensors and plain
 Python values only, so opening a checkpoint from an untrusted source runs no code. The client
@@ -427,6 +454,37 @@ def _load_weights_from_shards(
                 param.data.copy_(value.view(param.shape))
 
 
+def _master_views(
+    engine: DeepSpeedEngine, custom_load_fn: Callable[..., Any] | None
+) -> dict[str, torch.Tensor]:
+    """Where a ZeRO-1/2 weights-only load may copy the model file's weights as they are
+    checked: the fp32 masters, by parameter name (see [Note: weights loaded into the
+    masters]); nothing where the weights are not loaded as the module's plain state dict."""
+    optimizer = engine.optimizer
+    if (
+        not isinstance(optimizer, ZeroOptimizer)
+        or optimizer.module is not engine.module
+        or custom_load_fn is not None
+        or engine.expert_groups is not None
+    ):
+        return {}
+    return optimizer.master_views()
+
+
+@contextlib.contextmanager
+def _masters_restored_on_failure(optimizer: Any) -> Iterator[list[bool]]:
+    """The list the load appends whether it copied weights into the fp32 masters before the
+    verdict; if the load then fails, the masters are put back from the model's parameters,
+    which nothing changed before the verdict (see [Note: weights loaded into the masters])."""
+    into_masters: list[bool] = []
+    try:
+        yield into_masters
+    except BaseException:
+        if any(into_masters):  # the checksum threads are stopped: the with block closed
+            optimizer.refresh_fp32_params()
+        raise
+
+
 def _fp32_masters(
     pending: PendingVerification, zero_dir: Path
 ) -> Iterator[tuple[str, torch.Tensor]] | None:
@@ -492,8 +550,16 @@ def load_checkpoint(
     # hashed from the start (ds-zero's [Note: hashing ahead of the loader]). Without either,
     # the model file tells whether they are read at all.
     ahead = from_shards or bool(_partitioned_keys(engine.module))
-    with start_verification(path, values=values, loaded=(model_file,), ahead=ahead) as pending:
+    views = {} if from_shards else _master_views(engine, custom_load_fn)
+    into = {model_file: {f"module/{name}": view for name, view in views.items()}}
+    with (
+        _masters_restored_on_failure(optimizer) as into_masters,
+        start_verification(
+            path, values=values, loaded=(model_file,), ahead=ahead, into=into
+        ) as pending,
+    ):
         state = _read_model_file(pending, path / model_file)
+        into_masters.append(pending.copying_into(path / model_file))
         # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded);
         # without the optimizer's states ZeRO-1/2 rebuild the fp32 masters from the weights
         # and read no zero file, so none is checked (ds-zero's [Note: a path verifies what it
@@ -529,6 +595,8 @@ def load_checkpoint(
             if optimizer_states and optimizer is not None:
                 optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
                 optimizer.load_state_dict(load_file(optim_file))
+            elif isinstance(optimizer, ZeroOptimizer) and into_masters[0]:
+                optimizer.refresh_fp32_params(exclude=views)  # the masters not loaded into
             elif isinstance(optimizer, _ZERO):
                 optimizer.refresh_fp32_params()  # the fp32 masters from the loaded weights
     if module_only:
