@@ -62,8 +62,10 @@ def _child(path: str, rounds: int, tensors: int) -> None:
         got: list[tuple[float, float, int]] = []
         # The buffer and the offsets, taken by the job: its locals are gone when it returns,
         # whereas the executor holds a job's arguments until after the result is set, and a
-        # buffer still viewed then is not kept.
-        handed = [copies.next_run(spans)]
+        # buffer still viewed then is not kept. One destination, the buffer: every span.
+        ((buffer, _, offsets),) = copies.next_run(spans)
+        handed = [(buffer, offsets)]
+        del buffer
 
         def job() -> None:
             out, at = handed.pop()
