@@ -472,15 +472,14 @@ def _master_views(
 
 
 @contextlib.contextmanager
-def _masters_restored_on_failure(optimizer: Any) -> Iterator[list[bool]]:
-    """The list the load appends whether it copied weights into the fp32 masters before the
-    verdict; if the load then fails, the masters are put back from the model's parameters,
-    which nothing changed before the verdict (see [Note: weights loaded into the masters])."""
-    into_masters: list[bool] = []
+def _masters_put_back_on_failure(optimizer: ZeroOptimizer | None) -> Iterator[None]:
+    """If the block fails, ``optimizer``'s fp32 masters (which the load may have written before
+    the verdict) are put back from the model's parameters, which nothing changed before it
+    (see [Note: weights loaded into the masters]); None: nothing to put back."""
     try:
-        yield into_masters
+        yield
     except BaseException:
-        if any(into_masters):  # the checksum threads are stopped: the with block closed
+        if optimizer is not None:  # after the checksum threads stopped (the inner block)
             optimizer.refresh_fp32_params()
         raise
 
@@ -552,14 +551,15 @@ def load_checkpoint(
     ahead = from_shards or bool(_partitioned_keys(engine.module))
     views = {} if from_shards else _master_views(engine, custom_load_fn)
     into = {model_file: {f"module/{name}": view for name, view in views.items()}}
+    written = optimizer if views and isinstance(optimizer, ZeroOptimizer) else None
     with (
-        _masters_restored_on_failure(optimizer) as into_masters,
+        _masters_put_back_on_failure(written),
         start_verification(
             path, values=values, loaded=(model_file,), ahead=ahead, into=into
         ) as pending,
     ):
         state = _read_model_file(pending, path / model_file)
-        into_masters.append(pending.copying_into(path / model_file))
+        into_masters = pending.copying_into(path / model_file)
         # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded);
         # without the optimizer's states ZeRO-1/2 rebuild the fp32 masters from the weights
         # and read no zero file, so none is checked (ds-zero's [Note: a path verifies what it
@@ -595,7 +595,7 @@ def load_checkpoint(
             if optimizer_states and optimizer is not None:
                 optim_file = path / f"mp_rank_{_mp_rank(engine):02d}_optim_states.pt"
                 optimizer.load_state_dict(load_file(optim_file))
-            elif isinstance(optimizer, ZeroOptimizer) and into_masters[0]:
+            elif isinstance(optimizer, ZeroOptimizer) and into_masters:
                 optimizer.refresh_fp32_params(exclude=views)  # the masters not loaded into
             elif isinstance(optimizer, _ZERO):
                 optimizer.refresh_fp32_params()  # the fp32 masters from the loaded weights

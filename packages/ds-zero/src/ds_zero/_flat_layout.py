@@ -159,9 +159,22 @@ class FlatLayout:
         self._master_from_params(group, master)
         return master
 
-    def _master_from_params(self, group: FlatGroup, master: torch.Tensor) -> None:
+    def _master_from_params(
+        self, group: FlatGroup, master: torch.Tensor, exclude: frozenset[str] = frozenset()
+    ) -> None:
+        """``group``'s master partition from its parameters, but for those named in
+        ``exclude``."""
+        rank = self._shard_rank(group)
+        names = iter(group.names)
         for unit in group.units:
-            unit.in_partition(master).copy_(unit.shard(group.flat, self._shard_rank(group)))
+            members = [next(names, "") for _ in unit.params]  # a layout may have no names
+            if exclude.isdisjoint(members):
+                unit.in_partition(master).copy_(unit.shard(group.flat, rank))
+                continue
+            for name, (start, numel, at) in zip(members, _owned(unit, rank)):
+                if numel and name not in exclude:
+                    target = master.narrow(0, at, numel)
+                    target.copy_(group.flat.narrow(0, unit.start + start, numel))
 
     def _rewire_optimizer(self, trainable: Sequence[Sequence[torch.nn.Parameter]]) -> None:
         if self.optimizer.state:
@@ -290,20 +303,9 @@ class FlatLayout:
         are left as they are."""
         if self._master_is_flat:
             return
-        exclude = set(exclude)
         with torch.no_grad():
             for group, master in zip(self.groups, self.masters):
-                rank = self._shard_rank(group)
-                names = iter(group.names)
-                for unit in group.units:
-                    members = [next(names) for _ in unit.params]
-                    if not exclude or exclude.isdisjoint(members):
-                        unit.in_partition(master).copy_(unit.shard(group.flat, rank))
-                        continue
-                    for name, (start, numel, at) in zip(members, _owned(unit, rank)):
-                        if numel and name not in exclude:
-                            target = master.narrow(0, at, numel)
-                            target.copy_(group.flat.narrow(0, unit.start + start, numel))
+                self._master_from_params(group, master, frozenset(exclude))
 
     def master_views(self) -> dict[str, torch.Tensor]:
         """Each trainable parameter whose elements this rank's fp32 master partition holds
