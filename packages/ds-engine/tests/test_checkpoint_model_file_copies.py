@@ -33,13 +33,16 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _engine(seed: int, bf16: bool = False, stage: int = 2):
+def _engine(seed: int, bf16: bool = False, stage: int = 2, offload: bool = False):
     """ZeRO-2 over 8 MiB of weights: a model file too big to hash on the loading thread."""
     import ds_engine
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(IN, 1024), torch.nn.Linear(1024, 2048))
-    section = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:  # the masters in host memory of the optimizer's own
+        zero["offload_optimizer"] = {"device": "cpu"}
+    section = {"zero_optimization": zero, "bf16": {"enabled": bf16}}
     engine, *_ = ds_engine.initialize(model=model, config=config(**section))
     return engine
 
@@ -72,6 +75,7 @@ def _load_body(
     after_verdict: tuple[int, bytes] | None = None,
     bf16: bool = False,
     stage: int = 2,
+    offload: bool = False,
 ) -> dict[str, Any]:
     """``loads`` weights-only loads with a core to spare, copying while hashing or not;
     ``before_verdict``: ``(offset, bytes)`` written into the model file once it is hashed (and
@@ -95,7 +99,7 @@ def _load_body(
         return into[-1]
 
     pending.copying, pending.copying_into = copying, copying_into
-    engine = _engine(5, bf16, stage)
+    engine = _engine(5, bf16, stage, offload)
     before = _weights(engine)
     kept = [[id(r) for r in _verified_copies._kept]]  # an earlier test's, in this process
     model_file = Path(root) / TAG / MODEL_FILE
@@ -176,15 +180,18 @@ def test_the_weights_come_from_the_masters_and_equal_the_saved_ones(
     assert copying["fit"] and reading["fit"]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(("stage", "offload"), [(1, False), (2, False), (2, True)])
 @needs_kernel
 def test_on_two_ranks_each_rank_loads_its_masters_and_the_weights_agree(
-    saved: tuple[Path, list[torch.Tensor]], stage: int
+    saved: tuple[Path, list[torch.Tensor]], stage: int, offload: bool
 ) -> None:
     """On two ranks each loads into its own masters (the parameters that straddle the two
-    partitions are rebuilt from the weights); every rank ends with the saved weights."""
+    partitions are rebuilt from the weights), in host memory with ``offload_optimizer``
+    too; every rank ends with the saved weights."""
     root, weights = saved
-    results = run_on_ranks(_load_body, 2, root=str(root), copy=True, stage=stage, timeout=300)
+    results = run_on_ranks(
+        _load_body, 2, root=str(root), copy=True, stage=stage, offload=offload, timeout=300
+    )
     assert any(r["into"] == [True] for r in results)  # the rank that hashes the model file
     for result in results:
         assert _same(result["weights"], weights) and result["fit"]
