@@ -185,7 +185,7 @@ def test_a_job_taken_over_or_dropped_lets_go_of_its_arguments_at_once() -> None:
     assert first.done()
 
 
-def test_copy_crcs_to_copies_each_span_into_its_destination(data_file: tuple[Path, bytes]) -> None:
+def test_copy_crcs_copies_each_span_into_its_destination(data_file: tuple[Path, bytes]) -> None:
     """Spans bound for two destinations: each copied where its destination's offsets say,
     and the CRC-32s in the order of the spans."""
     import torch
@@ -199,10 +199,10 @@ def test_copy_crcs_to_copies_each_span_into_its_destination(data_file: tuple[Pat
     first, second = torch.zeros(8192, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)
     places = [(first, [0, 2], [64, 1024]), (second, [1, 3], [0, 400])]
     with MappedFile(path) as mapped:
-        crcs = mapped.copy_crcs_to(spans, places)
+        crcs = mapped.copy_crcs(spans, places)
         assert crcs == [zlib.crc32(data[a : a + n]) for a, n in spans]
         one = torch.zeros(100, dtype=torch.uint8)  # one destination: one call
-        assert mapped.copy_crcs_to(spans[:1], [(one, [0], [0])]) == crcs[:1]
+        assert mapped.copy_crcs(spans[:1], [(one, [0], [0])]) == crcs[:1]
         assert bytes(one.tolist()) == data[:100]
     for out, indices, at in places:
         for i, offset in zip(indices, at):

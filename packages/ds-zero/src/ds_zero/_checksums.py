@@ -209,32 +209,27 @@ class MappedFile:
         return _crc32_spans(self._view, spans, chained=True)[-1] if spans else 0
 
     def copy_crcs(
-        self, spans: Sequence[tuple[int, int]], out: torch.Tensor, at: Sequence[int]
+        self,
+        spans: Sequence[tuple[int, int]],
+        places: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
     ) -> list[int]:
-        """Copy each span into ``out`` (a contiguous CPU tensor's bytes), span ``i`` from byte
-        ``at[i]``, and give the CRC-32 of each as copied, in one pass over the file's pages.
-        Raises ValueError for a file shorter than the spans, or without ds-native's kernel (see
-        :data:`COPY_KERNEL`)."""
+        """Copy each span into its destination and give the CRC-32 of each as copied, in one
+        pass over the file's pages: ``places`` gives each destination (a contiguous CPU
+        tensor's bytes), the indices in ``spans`` of the spans it takes and their byte offsets
+        in it (one kernel call a destination). The CRC-32s are in the order of ``spans``.
+        Raises ValueError for a file shorter than the spans, or without ds-native's kernel
+        (see :data:`COPY_KERNEL`)."""
         self._check(spans)
         if _crc32_copy_spans is None:
             raise ValueError(
                 "copy_crcs needs ds-native's crc32_copy_spans(at=...); upgrade ds-native"
             )
-        return _crc32_copy_spans(self._view, spans, out, at=at) if spans else []
-
-    def copy_crcs_to(
-        self,
-        spans: Sequence[tuple[int, int]],
-        places: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
-    ) -> list[int]:
-        """:meth:`copy_crcs` for spans bound for several destinations: ``places`` gives each
-        destination, the indices in ``spans`` of the spans it takes and their byte offsets in
-        it (one call a destination). The CRC-32 of each span, in the order of ``spans``."""
-        if len(places) == 1:
-            return self.copy_crcs(spans, places[0][0], places[0][2])
+        if len(places) == 1:  # every span to one destination, in order
+            return _crc32_copy_spans(self._view, spans, places[0][0], at=places[0][2])
         crcs = [0] * len(spans)
         for out, indices, at in places:
-            for i, crc in zip(indices, self.copy_crcs([spans[i] for i in indices], out, at)):
+            subset = [spans[i] for i in indices]
+            for i, crc in zip(indices, _crc32_copy_spans(self._view, subset, out, at=at)):
                 crcs[i] = crc
         return crcs
 

@@ -469,7 +469,7 @@ class PendingVerification:
             jobs = [self._pool.submit(mapped.crcs, run) for run in runs]
         else:  # copied out as hashed (see [Note: copying while verifying])
             self._copies[name] = copies
-            jobs = [self._pool.submit(mapped.copy_crcs_to, r, copies.next_run(r)) for r in runs]
+            jobs = [self._pool.submit(mapped.copy_crcs, r, copies.next_run(r)) for r in runs]
         # The bytes between the tensors (a few hundred small spans), through the mapping in one
         # native call. A file whose tensors are in the page cache (``if_cached``) has them there
         # too, as does one whose checkpoint's small files are (``gaps_now``: a page cache holds

@@ -297,10 +297,7 @@ class CopiedTensors:
         tensors named there are copied into those tensors (contiguous, on the CPU, sharing no
         memory with each other) instead of the buffer, if every one of them is in ``order``
         with its dtype and byte count; otherwise none is."""
-        direct = _fitting(entries, order, into or {})
-        spots, end, total = {}, 0, 0
-        targets: list[torch.Tensor] = []
-        where: dict[int, int] = {}  # a storage's address: its destination
+        recorded = {}
         for name in order:
             entry = entries[name]
             try:
@@ -310,6 +307,12 @@ class CopiedTensors:
             shape, nbytes = [int(s) for s in entry["shape"]], int(entry["nbytes"])
             if math.prod(shape) * dtype.itemsize != nbytes:
                 return None
+            recorded[name] = (nbytes, dtype, shape)
+        direct = into if into and _fitting(recorded, into) else {}
+        spots, end, total = {}, 0, 0
+        targets: list[torch.Tensor] = []
+        where: dict[int, int] = {}  # a storage's address: its destination
+        for name, (nbytes, dtype, shape) in recorded.items():
             target = direct.get(name)
             if target is not None:
                 storage = target.untyped_storage()
@@ -411,27 +414,19 @@ class CopiedTensors:
 
 
 def _fitting(
-    entries: Mapping[str, Mapping[str, Any]],
-    order: Sequence[str],
-    into: Mapping[str, torch.Tensor],
-) -> Mapping[str, torch.Tensor]:
-    """``into`` if each of its tensors can take the bytes of the tensor of ``order`` it names
-    (the same dtype and byte count; contiguous, on the CPU), else nothing: a caller that puts
-    back what a failed load wrote treats all of them alike."""
-    wanted = set(order)
+    recorded: Mapping[str, tuple[int, torch.dtype, list[int]]], into: Mapping[str, torch.Tensor]
+) -> bool:
+    """Whether every tensor of ``into`` can take the bytes of the copied tensor it names (its
+    recorded byte count and dtype; contiguous, on the CPU): a caller that puts back what a
+    failed load wrote treats all of them alike, so one that cannot means none is used."""
     for name, target in into.items():
-        entry = entries.get(name)
-        if name not in wanted or entry is None:
-            return {}
-        try:
-            dtype = dtype_of(entry)
-        except CheckpointError:
-            return {}
+        found = recorded.get(name)
         if (
-            dtype != target.dtype
-            or int(entry["nbytes"]) != target.numel() * target.element_size()
+            found is None
+            or found[1] != target.dtype
+            or found[0] != target.numel() * target.element_size()
             or not target.is_contiguous()
             or target.device.type != "cpu"
         ):
-            return {}
-    return into
+            return False
+    return True
