@@ -71,6 +71,12 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _flip_at(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def _truncate(path: Path) -> None:
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
@@ -303,7 +309,7 @@ def test_every_load_path_refuses_on_every_rank(
     root = tmp_path / "c"
     shutil.copytree(saved, root)
     _flip(root / TAG / "rng_state_rank00001.pt")
-    _flip(root / TAG / "mp_rank_00_model_states.pt")
+    _flip_model_pickle(root / TAG)  # every load path reads the pickle (the counters, buffers)
     results = run_on_ranks(
         _load_paths_body, 2, root=str(root), local_world=local_world, timeout=300
     )
@@ -311,6 +317,75 @@ def test_every_load_path_refuses_on_every_rank(
     for message in results[0]:
         assert "rng_state_rank00001.pt corrupted" in message
         assert "mp_rank_00_model_states.pt corrupted" in message
+
+
+def _model_file_record(directory: Path) -> dict:
+    manifest = json.loads((directory / "ds_manifest.json").read_text())
+    return manifest["files"]["mp_rank_00_model_states.pt"]
+
+
+def _flip_model_pickle(directory: Path) -> None:
+    """Flip a byte of the model file's pickle (its first span outside the tensors)."""
+    from ds_zero._read_checks import gap_spans
+
+    record = _model_file_record(directory)
+    start, length = gap_spans(record["tensors"], record["bytes"])[0]
+    _flip_at(directory / "mp_rank_00_model_states.pt", start + length // 2)
+
+
+def _overwritten_weight_body(rank: int, world_size: int, *, root: str, clean: str) -> list[str]:
+    """A full and a weights-only load of ``root``, on no spare core (the model file is hashed
+    from what the loader read: only what the load uses): "loaded" (the weights then those a
+    load of ``clean`` gives) or the error."""
+    from ds_zero import CheckpointError
+
+    engine = _engine(seed=5)
+    engine.load_checkpoint(clean, tag=TAG)
+    expected = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    masters = [m.detach().clone() for m in engine.optimizer.masters]
+    fresh = _engine(seed=7)
+    before = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
+    os.environ["LOCAL_WORLD_SIZE"] = "1024"
+    results = []
+    try:
+        for kwargs in ({}, {"load_optimizer_states": False}):
+            try:
+                fresh.load_checkpoint(root, tag=TAG, **kwargs)
+            except CheckpointError as exc:
+                results.append(str(exc))
+                for n, p in fresh.module.named_parameters():
+                    assert torch.equal(p, before[n]), n
+                continue
+            results.append("loaded")
+            for n, p in fresh.module.named_parameters():
+                assert torch.equal(p, expected[n]), n
+            assert all(torch.equal(a, b) for a, b in zip(fresh.optimizer.masters, masters))
+            before = expected  # what a refused load after this one must leave
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    return results
+
+
+def test_a_full_load_neither_checks_nor_uses_the_weights_the_masters_overwrite(
+    saved: Path, tmp_path: Path
+) -> None:
+    """A full ZeRO-2 load sets the trainable weights from the saved fp32 masters: a flipped
+    byte of the model file's copy of one is not its error, and it loads the saved values; the
+    weights-only load, which reads that copy, refuses it naming the tensor (ds-engine's [Note:
+    weights the masters overwrite])."""
+    root = tmp_path / "c"
+    shutil.copytree(saved, root)
+    entries = _model_file_record(root / TAG)["tensors"]
+    weight = next(n for n in entries if n.startswith("module/") and n.endswith(".weight"))
+    _flip_at(root / TAG / "mp_rank_00_model_states.pt", entries[weight]["offset"] + 2)
+    results = run_on_ranks(
+        _overwritten_weight_body, 2, root=str(root), clean=str(saved), timeout=300
+    )
+    assert results[0] == results[1]
+    full, weights_only = results[0]
+    assert full == "loaded", full
+    assert "mp_rank_00_model_states.pt corrupted" in weights_only, weights_only
+    assert repr(weight) in weights_only, weights_only
 
 
 def _zero_shard_body(rank: int, world_size: int, *, root: str) -> str:
@@ -498,12 +573,6 @@ def saved_stage3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _saved_stage3(tmp_path_factory, 2)
 
 
-def _flip_at(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
 def test_the_loaders_reads_are_checked_as_read(saved_stage3: Path, tmp_path: Path) -> None:
     """ZeRO-3 shard files are checked from the loader's own mapped tensors and the bytes
     between them (``gaps_crc32``): a flipped fp32 master is refused by both loads, naming the
@@ -583,7 +652,7 @@ def _hash_ahead_load_body(
     hashed_ahead: list[bool] = []
     name = "zero/zero_shards_rank00000.pt"
 
-    def replacing_wait(self, problems=()):
+    def replacing_wait(self, problems=(), **kwargs):
         if self._verdict is None:
             hashed_ahead.append(name in self._mapped)
             if replace is not None:
@@ -592,7 +661,7 @@ def _hash_ahead_load_body(
                         self._result(job)  # hashed: what follows happens after
                 os.replace(replace, Path(root) / TAG / name)
                 shutil.copy(Path(root).parent / "spare_copy.pt", replace)  # for the next load
-        return wait(self, problems)
+        return wait(self, problems, **kwargs)
 
     _integrity.spare_core = lambda: spare
     _integrity.in_page_cache = lambda path, offsets: cached
@@ -696,21 +765,21 @@ def _recording_hashes(record: Callable[[str, bool], None]) -> Iterator[None]:
     from ds_zero import _integrity
 
     pending = _integrity.PendingVerification
-    submit, small = pending._submit, pending._small_file_problem
+    submit, small = pending._submit, _integrity.small_file_problem
 
     def recording_submit(self, name, entry):
         record(name, False)
         return submit(self, name, entry)
 
-    def recording_small(self, name, entry):
+    def recording_small(directory, name, entry, chunk):
         record(name, True)
-        return small(self, name, entry)
+        return small(directory, name, entry, chunk)
 
-    pending._submit, pending._small_file_problem = recording_submit, recording_small
+    pending._submit, _integrity.small_file_problem = recording_submit, recording_small
     try:
         yield
     finally:
-        pending._submit, pending._small_file_problem = submit, small
+        pending._submit, _integrity.small_file_problem = submit, small
 
 
 def _model_file_body(rank: int, world_size: int, *, root: str, small: str) -> list:
@@ -730,10 +799,10 @@ def _model_file_body(rank: int, world_size: int, *, root: str, small: str) -> li
     mapped: list[list[str]] = []
     deferred: list[str] = []
 
-    def recording_wait(self, problems=()):
+    def recording_wait(self, problems=(), **kwargs):
         if self._verdict is None:
             mapped.append(sorted(self._mapped))
-        return wait(self, problems)
+        return wait(self, problems, **kwargs)
 
     def recording_defer(self, fn, *args):
         deferred.append(Path(getattr(getattr(fn, "__self__", None), "path", "")).name)
@@ -868,3 +937,45 @@ def test_small_files_on_the_disk_are_read_on_a_checksum_thread(
     )
     assert "rng_state_rank00000.pt corrupted" in result, result
     assert run_here and not any(run_here), run_here
+
+
+class _Transposed(torch.nn.Module):
+    """:func:`make_mlp`'s parameters, in number and order, with the first weight transposed."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        shapes = {n: p.shape for n, p in mlp.named_parameters()}
+        first = next(iter(shapes))
+        shapes[first] = torch.Size(reversed(shapes[first]))
+        for name, shape in shapes.items():
+            layer, attr = name.split(".")
+            if not hasattr(self, layer):
+                self.add_module(layer, torch.nn.Module())
+            getattr(self, layer).register_parameter(attr, torch.nn.Parameter(torch.zeros(shape)))
+
+
+def _transposed_load_body(rank: int, world_size: int, *, root: str) -> str:
+    import ds_engine
+    from ds_zero import CheckpointError
+
+    model = _Transposed(make_mlp())
+    engine, *_ = ds_engine.initialize(model=model, config=config(zero_optimization={"stage": 2}))
+    try:
+        engine.load_checkpoint(root, tag=TAG)
+    except CheckpointError as exc:
+        assert all(not p.any() for p in model.parameters())  # nothing written
+        return str(exc)
+    return "loaded"
+
+
+def test_a_weight_the_masters_overwrite_must_still_have_its_parameters_shape(saved: Path) -> None:
+    """The full load takes the trainable weights from the masters, and does not read the model
+    file's copies, but a copy whose shape is not its parameter's (the masters' elements fit
+    alike: the same count) is refused at the verdict, by every rank, naming the file, the
+    weight and both shapes."""
+    results = run_on_ranks(_transposed_load_body, 2, root=str(saved), timeout=300)
+    assert results[0] == results[1]
+    shapes = {n: list(p.shape) for n, p in make_mlp().named_parameters()}
+    first, shape = next(iter(shapes.items()))
+    expected = f"{first!r} has shape {shape} in the checkpoint, the model's parameter"
+    assert "mp_rank_00_model_states.pt" in results[0] and expected in results[0], results[0]

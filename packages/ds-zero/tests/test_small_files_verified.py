@@ -51,13 +51,13 @@ def checkpoint(tmp_path: Path) -> Path:
 def small_path(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The files checked by the loading thread's one-read check (not by the checksum threads)."""
     checked: list[str] = []
-    original = _integrity.PendingVerification._small_file_problem
+    original = _integrity.small_file_problem
 
-    def recording(self, name, record):
+    def recording(directory, name, record, chunk):
         checked.append(name)
-        return original(self, name, record)
+        return original(directory, name, record, chunk)
 
-    monkeypatch.setattr(_integrity.PendingVerification, "_small_file_problem", recording)
+    monkeypatch.setattr(_integrity, "small_file_problem", recording)
     return checked
 
 

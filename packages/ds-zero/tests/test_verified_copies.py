@@ -242,6 +242,44 @@ def test_a_file_hashed_from_the_loaders_read_is_not_copied(
         assert pending.verified_copy(path, "module/w") is None
 
 
+@pytest.mark.parametrize("spare", [True, False], ids=["copied-while-hashed", "loaders-read"])
+def test_tensors_named_unused_are_neither_checked_nor_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool
+) -> None:
+    """``unused``: a load that does not use a tensor neither hashes nor copies it, so a flipped
+    byte there is not its error, while the same flip in a tensor it uses is; the tensor must be
+    dropped from what was read before ``verified_object``, which refuses to pass it on."""
+    from ds_zero import CheckpointError, _integrity, start_verification
+
+    monkeypatch.setattr(_integrity, "spare_core", lambda: spare)
+    monkeypatch.setattr(_integrity, "in_page_cache", lambda path, offsets: True)
+    path = _model_file(tmp_path)
+    plain = torch.load(path, weights_only=True)
+    entries = json.loads((tmp_path / "ds_manifest.json").read_text())["files"][path.name]
+    data = bytearray(path.read_bytes())
+    data[int(entries["tensors"]["module/w"]["offset"]) + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+
+    def load(unused: list[str]) -> dict:
+        with start_verification(tmp_path, loaded=(path.name,), unused={path.name: unused}) as p:
+            state = torch.load(path, weights_only=True, mmap=p.copying(path))
+            p.hash_loaded(path, state)
+            p.wait()
+            with pytest.raises(RuntimeError, match=r"\['module/w'\] were left unchecked"):
+                p.verified_object(path, state)
+            del state["module"]["w"]
+            got = p.verified_object(path, state)
+            if spare and ds_native.native_available():  # copied while hashed, w excepted
+                assert p.verified_copy(path, "module/b") is not None
+                assert p.verified_copy(path, "module/w") is None
+            return got
+
+    got = load(["module/w"])
+    assert torch.equal(got["module"]["b"], plain["module"]["b"]) and got["steps"] == 7
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt corrupted.*module/w"):
+        load(["module/b"])
+
+
 def test_map_tensors_names_tensors_as_walk_does_and_rebuilds_only_what_holds_one() -> None:
     from collections import OrderedDict
 

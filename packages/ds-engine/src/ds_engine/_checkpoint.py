@@ -49,6 +49,21 @@ fp32 the masters take, anyway) load as before, as do masters on an accelerator o
 ``custom_load_fn`` and MoE models. It is all or nothing: one weight whose dtype or size in the
 manifest is not its master's, and none is copied into the masters.
 
+[Note: weights the masters overwrite]
+A full ZeRO-1/2 load with ``load_from_fp32_weights`` (the default) set every parameter from the
+model file, then every trainable one again from the saved fp32 masters (the optimizer publishes
+them into the parameters), and checked the model file's copy of those weights first: a pass of
+the checksum threads and one of the loading thread over bytes no value came from (8 of a 10M
+-parameter load's 106 ms on the 2-core VM, and 24 ms of hashing). The load now names them
+``unused`` to the check (ds-zero's ``start_verification(unused=...)``: neither hashed nor
+copied; the bytes around them, the pickle included, still are) and drops them from the model
+file's state dict, mapped and never read (``ZeroOptimizer.params_from_masters``; a tied weight
+under all its keys). What is left of the file (buffers, frozen parameters) loads as before, and
+the strict check still counts a trainable weight the file lacks. A dropped weight whose shape is
+not its parameter's is refused at the verdict, by every rank together, as ``load_state_dict``
+would have refused it after. A load that fails after the verdict leaves those parameters as
+they were, where it left them holding the file's values.
+
 [Note: weights-only checkpoints]
 Everything is loaded with ``torch.load(weights_only=True)``: a file can hold tensors and plain
 Python values only, so opening a checkpoint from an untrusted source runs no code. The client
@@ -397,21 +412,22 @@ def _load_module(
     path: Path,
     saved: dict[str, Any],
     strict: bool,
-    partitioned: set[str],
+    elsewhere: set[str],
     custom_load_fn: Callable[..., Any] | None = None,
 ) -> None:
     """The model file's weights (through ``custom_load_fn(src=, dst=)`` when given, as in
-    DeepSpeed); stage 3's partitioned ones come from the zero shards after."""
+    DeepSpeed); those of ``elsewhere`` (stage 3's partitioned ones, or the weights the saved
+    fp32 masters overwrite) come from the zero shards after."""
     if custom_load_fn is not None:
         custom_load_fn(src=saved, dst=engine.module)
         return
-    if not partitioned:
+    if not elsewhere:
         load_module_state(engine.module, path, saved, engine.expert_groups, strict)
         return
     missing, unexpected = engine.module.load_state_dict(saved, strict=False)
     # and the experts, persistent ones too: the zero shards hold them by global id
     experts = set(checkpoint_names_of(engine.module, engine.expert_groups) or ())
-    missing = [k for k in missing if k not in partitioned and k not in experts]
+    missing = [k for k in missing if k not in elsewhere and k not in experts]
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"checkpoint {str(path)!r} does not fit the model: missing keys {missing}, "
@@ -419,15 +435,15 @@ def _load_module(
         )
 
 
-def _read_model_file(pending: PendingVerification, path: Path) -> dict[str, Any]:
+def _read_model_file(pending: PendingVerification, path: Path, skipped: bool) -> dict[str, Any]:
     """The model file, read while the checksums run; a reading error is noted for the verdict
     (every rank hears of it) instead of raised here. Where the check copies the file's tensors
     out as it hashes them, only the file's structure is read (mapped: no tensor's bytes), and
     :meth:`~ds_zero.PendingVerification.verified_object` gives the values after the verdict;
-    otherwise the tensors are read and hashed from what was read (no second read)."""
-    copied = pending.copying(path)
+    otherwise the tensors are read and hashed from what was read (no second read), mapped
+    where the load skips some of them (``skipped``: their bytes are then never read)."""
     try:
-        state = load_file(path, mmap=copied)
+        state = load_file(path, mmap=skipped or pending.copying(path))
     except CheckpointError as exc:
         pending.note(str(exc))
         return {}
@@ -454,12 +470,11 @@ def _load_weights_from_shards(
                 param.data.copy_(value.view(param.shape))
 
 
-def _master_views(
+def _plain_zero(
     engine: DeepSpeedEngine, custom_load_fn: Callable[..., Any] | None
-) -> dict[str, torch.Tensor]:
-    """Where a ZeRO-1/2 weights-only load may copy the model file's weights as they are
-    checked: the fp32 masters, by parameter name (see [Note: weights loaded into the
-    masters]); nothing where the weights are not loaded as the module's plain state dict."""
+) -> ZeroOptimizer | None:
+    """The engine's ZeRO-1/2 optimizer where the module's weights load as its plain state dict
+    (no ``custom_load_fn``, no MoE experts), else None."""
     optimizer = engine.optimizer
     if (
         not isinstance(optimizer, ZeroOptimizer)
@@ -467,8 +482,53 @@ def _master_views(
         or custom_load_fn is not None
         or engine.expert_groups is not None
     ):
+        return None
+    return optimizer
+
+
+def _master_views(
+    engine: DeepSpeedEngine, custom_load_fn: Callable[..., Any] | None
+) -> dict[str, torch.Tensor]:
+    """Where a ZeRO-1/2 weights-only load may copy the model file's weights as they are
+    checked: the fp32 masters, by parameter name (see [Note: weights loaded into the
+    masters])."""
+    optimizer = _plain_zero(engine, custom_load_fn)
+    return optimizer.master_views() if optimizer is not None else {}
+
+
+def _overwritten_keys(
+    engine: DeepSpeedEngine, custom_load_fn: Callable[..., Any] | None
+) -> dict[str, torch.Size]:
+    """The module's state-dict keys, with their parameters' shapes, whose model-file weights a
+    full ZeRO-1/2 load would only overwrite with the saved fp32 masters (see [Note: weights
+    the masters overwrite])."""
+    optimizer = _plain_zero(engine, custom_load_fn)
+    if optimizer is None:
         return {}
-    return optimizer.master_views()
+    ids = {id(p) for p in optimizer.params_from_masters()}
+    state = engine.module.state_dict(keep_vars=True)
+    return {key: value.shape for key, value in state.items() if id(value) in ids}
+
+
+def _drop_overwritten(
+    pending: PendingVerification, path: Path, state: dict[str, Any], keys: Mapping[str, Any]
+) -> set[str]:
+    """Drop ``keys`` (see :func:`_overwritten_keys`) from the model file's module state as read
+    (neither checked nor used); return those dropped. A weight whose shape is not its
+    parameter's is noted for the verdict: every rank refuses the load, where the module's
+    ``load_state_dict`` would have refused it on this rank only."""
+    module = state.get("module")
+    if not keys or not isinstance(module, dict):
+        return set()
+    dropped = {key for key in keys if key in module}
+    for key in sorted(dropped):
+        found = getattr(module.pop(key), "shape", None)
+        if found != keys[key]:
+            pending.note(
+                f"{path}: {key!r} has shape {list(found or ())} in the checkpoint, the model's "
+                f"parameter {list(keys[key])}: load it into the model it was saved from"
+            )
+    return dropped
 
 
 @contextlib.contextmanager
@@ -552,13 +612,16 @@ def load_checkpoint(
     views = {} if from_shards else _master_views(engine, custom_load_fn)
     into = {model_file: {f"module/{name}": view for name, view in views.items()}}
     written = optimizer if views and isinstance(optimizer, ZeroOptimizer) else None
+    overwritten = _overwritten_keys(engine, custom_load_fn) if from_shards else {}
+    unused = {model_file: [f"module/{key}" for key in overwritten]}
     with (
         _masters_put_back_on_failure(written),
         start_verification(
-            path, values=values, loaded=(model_file,), ahead=ahead, into=into
+            path, values=values, loaded=(model_file,), ahead=ahead, into=into, unused=unused
         ) as pending,
     ):
-        state = _read_model_file(pending, path / model_file)
+        state = _read_model_file(pending, path / model_file, skipped=bool(overwritten))
+        dropped = _drop_overwritten(pending, path / model_file, state, overwritten)
         into_masters = pending.copying_into(path / model_file)
         # Stage 3 keeps partitioned weights in the zero shards only (saved, or to be loaded);
         # without the optimizer's states ZeRO-1/2 rebuild the fp32 masters from the weights
@@ -579,7 +642,8 @@ def load_checkpoint(
         def load_module() -> None:  # after the verdict
             nonlocal state
             state = pending.verified_object(path / model_file, state)
-            _load_module(engine, path, state.pop("module"), strict, partitioned, custom_load_fn)
+            module = state.pop("module")
+            _load_module(engine, path, module, strict, partitioned | dropped, custom_load_fn)
             if from_masters:
                 tensors = masters
                 if tensors is None:  # after the verdict: the files are verified

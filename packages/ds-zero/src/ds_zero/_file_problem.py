@@ -3,14 +3,16 @@ and the tensors whose bytes changed (see [Note: checkpoint integrity] in ``_inte
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ds_zero._checksums import chunks as _chunks
+from ds_zero._checksums import crc32 as _crc32
 from ds_zero._checksums import crc_ranges as _crc_ranges
 
-__all__ = ["file_problem"]
+__all__ = ["file_problem", "small_file_problem"]
 
 
 def _damaged_tensors(path: Path, record: Mapping[str, Any], size: int) -> list[str]:
@@ -67,3 +69,30 @@ def file_problem(
         return f"{name} corrupted (its checksum differs from the manifest's)"
     what = "its non-tensor data (pickled counters such as global_steps, client state)"
     return f"{name} corrupted (its checksum differs from the manifest's; {what} changed)"
+
+
+def small_file_problem(
+    directory: Path, name: str, record: Mapping[str, Any], chunk: int
+) -> str | None:
+    """None when file ``name`` of ``directory`` (small: read in one system call, on the calling
+    thread) matches its record, hashed in ``chunk``-byte chunks; :func:`file_problem`'s
+    description otherwise."""
+    expected = int(record["bytes"])
+    try:
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            data = os.read(fd, expected + 1)  # a longer file reads longer
+        finally:
+            os.close(fd)
+    except OSError:
+        data = b""
+        expected = -1  # absent or unreadable: file_problem says which
+    if "crc32" in record and len(data) == expected:
+        with memoryview(data) as view:
+            crcs = [_crc32(view[a : a + n]) for a, n in _chunks(expected, chunk)]
+        if crcs == record["crc32"]:
+            return None
+    try:
+        return file_problem(directory, name, record)
+    except OSError as exc:
+        return f"{name} cannot be read: {exc}"

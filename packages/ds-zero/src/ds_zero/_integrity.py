@@ -100,14 +100,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ds_zero._checksums import (
     CHUNK,
     COPY_KERNEL,
     ChunkedCrcWriter,
     MappedFile,
-    crc32,
     file_identity,
     in_page_cache,
     on_disk,
@@ -117,7 +115,14 @@ from ds_zero._checksums import (
 from ds_zero._checksums import chunks as _chunks
 from ds_zero._checksums import crc_range as _crc_range
 from ds_zero._checksums import threads as _threads
-from ds_zero._file_problem import file_problem
+from ds_zero._directory_manifest import (
+    DIRECTORY_FORMAT,
+    DIRECTORY_MANIFEST,
+    share,
+    verify_files,
+    write_directory_manifest,
+)
+from ds_zero._file_problem import file_problem, small_file_problem
 from ds_zero._file_record import file_record
 from ds_zero._ranks import agree, ranks_in
 from ds_zero._read_checks import (
@@ -143,7 +148,6 @@ from ds_zero._sealed import (
     read_sealed,
     read_sealed_manifest,
     seal,
-    write_sealed,
 )
 from ds_zero._verified_copies import COPY_AHEAD_BYTES, CopiedTensors
 
@@ -167,11 +171,9 @@ __all__ = [
     "write_directory_manifest",
 ]
 
-DIRECTORY_MANIFEST = "ds_manifest.json"
 # Files this small are hashed on the loading thread at the verdict, each in one read, up to this
 # many bytes in all: a hashing thread would wait for the GIL behind the loader longer than that.
 _HASH_HERE = 4 << 20
-DIRECTORY_FORMAT = "ds.checkpoint/1"
 
 
 # --- the manifest file ---------------------------------------------------------------------------
@@ -195,62 +197,6 @@ def _is_shard_file(name: str) -> bool:
     return (
         len(parts) == 2 and parts[0].startswith("zero") and parts[1].startswith("zero_shards_rank")
     )
-
-
-def _share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
-    """This rank's files to check: the biggest first, each to the least-loaded rank."""
-    load = [0] * world
-    mine = []
-    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
-        owner = min(range(world), key=lambda r: (load[r], r))
-        load[owner] += int(files[name]["bytes"]) + 1
-        if owner == rank:
-            mine.append(name)
-    return mine
-
-
-def verify_files(
-    directory: Path, files: Mapping[str, Mapping[str, Any]], *, rank: int = 0, world_size: int = 1
-) -> list[str]:
-    """Problems of this rank's share of ``files`` (each rank checks about 1/world of the bytes)."""
-    problems = []
-    for name in _share(files, rank, world_size):
-        try:
-            problem = file_problem(directory, name, files[name])
-        except OSError as exc:
-            problem = f"{name} cannot be read: {exc}"
-        if problem is not None:
-            problems.append(problem)
-    return problems
-
-
-def _listing(directory: Path) -> list[str]:
-    return listing(directory, DIRECTORY_MANIFEST)
-
-
-def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
-    """Record every file under ``directory`` in its ``ds_manifest.json`` (each rank checksums a
-    share; global rank 0 of ``group`` writes the manifest, fsynced, through a rename). Every rank
-    of ``group`` must call it, after every file is written."""
-    rank, world = ranks_in(group)
-    names = _listing(directory)
-    sizes = {n: {"bytes": (directory / n).stat().st_size} for n in names}
-    mine = {n: file_record(directory / n) for n in _share(sizes, rank, world)}
-    files: dict[str, Any] = {}
-    if world > 1:
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, mine, group=group)
-        for part in out:
-            files.update(part)
-    else:
-        files = mine
-    if rank == 0:
-        manifest = {
-            "format": DIRECTORY_FORMAT,
-            "chunk": CHUNK,
-            "files": dict(sorted(files.items())),
-        }
-        write_sealed(manifest, directory / DIRECTORY_MANIFEST)
 
 
 def _unusable(path: Path, problems: Sequence[str]) -> str:
@@ -295,9 +241,11 @@ class PendingVerification:
         loaded: Collection[str] = (),
         ahead: bool = True,
         into: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        unused: Mapping[str, Collection[str]] | None = None,
     ) -> None:
         self.directory, self.group, self.values = directory, group, values
         self._into = into or {}
+        self._unused = {name: frozenset(tensors) for name, tensors in (unused or {}).items()}
         self._read_whole = frozenset(loaded)
         self.rank, self.world = ranks_in(group)
         self.manifest: dict[str, Any] = {}
@@ -331,7 +279,7 @@ class PendingVerification:
         # is free, the shard files and the loader's other files (``loaded``) are hashed from
         # its tensors after its read (one pass, on its critical path) instead of beside it (a
         # second pass over the page cache, on a core that would otherwise idle).
-        mine = sorted(_share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
+        mine = sorted(share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
         self._threads = _threads(reserve=1 if overlap else 0)
         self._pool = HelpedPool(self._threads)
         spare = spare_core()
@@ -415,7 +363,7 @@ class PendingVerification:
         taken = (self._jobs, self._loaded, self._here)  # hashed, or to be, apart from this
         if record is None or not fusable(record) or any(name in t for t in taken):
             return
-        wanted = set(wanted_tensors(record, _is_shard_file(name), self.values))
+        wanted = set(self._wanted(name, record))
         found: list[tuple[str, torch.Tensor]] = []
         walk(obj, "", found, wanted)
         tensors = [(n, t) for n, t in found if n in wanted and t.device.type == "cpu"]
@@ -446,7 +394,7 @@ class PendingVerification:
         path = self.directory / name
         entries = record["tensors"]
         order = sorted(
-            wanted_tensors(record, _is_shard_file(name), self.values),
+            self._wanted(name, record),
             key=lambda n: entries[n]["offset"],
         )
         sampled = [n for n in order[:: max(1, len(order) // 8)] if int(entries[n]["nbytes"])]
@@ -496,6 +444,11 @@ class PendingVerification:
         budget = COPY_AHEAD_BYTES - sum(c.nbytes for c in self._copies.values())
         return CopiedTensors.of(entries, order, into=self._into.get(name), budget=budget)
 
+    def _wanted(self, name: str, record: Mapping[str, Any]) -> list[str]:
+        """The tensors of file ``name`` this load uses (see [Note: a path verifies what it
+        uses])."""
+        return wanted_tensors(record, _is_shard_file(name), self.values, self._unused.get(name, ()))
+
     def _name(self, path: str | os.PathLike[str]) -> str | None:
         """``path`` relative to the directory, as its manifest names it (None: outside it)."""
         try:
@@ -525,13 +478,19 @@ class PendingVerification:
         copied. Call it after the verdict: nothing of the mapped file is used after it.
 
         Raises:
-            RuntimeError: before the verdict.
+            RuntimeError: before the verdict, or ``obj`` still holds a tensor named in
+                ``start_verification(unused=...)`` (never checked: drop it first).
             CheckpointError: a tensor whose dtype or shape in ``obj`` is not its manifest's
                 (its copy would be read as something else), naming the file and the tensor.
         """
         if self._verdict is None:
             raise RuntimeError("verified_object() before the verdict (PendingVerification.wait)")
         file = self._name(path) or ""
+        unused, found = self._unused.get(file, frozenset()), []
+        walk(obj, "", found, unused)
+        if any(name in unused for name, _ in found):
+            left = [name for name, _ in found if name in unused]
+            raise RuntimeError(f"{path}: {left} were left unchecked (unused=): drop them first")
         copies = self._copies.get(file)
         return obj if copies is None else copies.swapped(obj, self.directory / file)
 
@@ -563,7 +522,7 @@ class PendingVerification:
             size = hashed[2] if hashed is not None else path.stat().st_size
             same = loaded_matches(
                 record,
-                wanted_tensors(record, _is_shard_file(name), self.values),
+                self._wanted(name, record),
                 loaded,
                 size,
                 self._result(gaps),
@@ -598,30 +557,6 @@ class PendingVerification:
             spans += [(entries[n]["offset"], entries[n]["nbytes"]) for n in tensors]
         return [self._pool.submit(_crc_range, path, a, n) for a, n in spans]
 
-    def _small_file_problem(self, name: str, record: Mapping[str, Any]) -> str | None:
-        """None when file ``name``, small enough to hash on this thread, matches its record,
-        read in one system call; :func:`file_problem`'s description otherwise."""
-        expected = int(record["bytes"])
-        try:
-            fd = os.open(self.directory / name, os.O_RDONLY)
-            try:
-                data = os.read(fd, expected + 1)  # a longer file reads longer
-            finally:
-                os.close(fd)
-        except OSError:
-            data = b""
-            expected = -1  # absent or unreadable: file_problem says which
-        if "crc32" in record and len(data) == expected:
-            chunk = int(self.manifest.get("chunk", CHUNK))
-            with memoryview(data) as view:
-                crcs = [crc32(view[a : a + n]) for a, n in _chunks(expected, chunk)]
-            if crcs == record["crc32"]:
-                return None
-        try:
-            return file_problem(self.directory, name, record)
-        except OSError as exc:
-            return f"{name} cannot be read: {exc}"
-
     def note(self, problem: str) -> None:
         """Add a problem the loader met while reading (told to every rank at the next wait)."""
         self._noted.append(problem)
@@ -632,7 +567,8 @@ class PendingVerification:
         for name in self._deferred:  # never handed over by the loader: hashed apart now
             self._jobs[name] = self._submit(name, files[name])
         for name in self._here:  # small files: each in one read, here (see _HASH_HERE)
-            problem = self._small_file_problem(name, files[name])
+            chunk = int(self.manifest.get("chunk", CHUNK))
+            problem = small_file_problem(self.directory, name, files[name], chunk)
             if problem is not None:
                 problems.append(problem)
         self._deferred, self._here = [], []
@@ -663,7 +599,7 @@ class PendingVerification:
             if problem is not None:
                 problems.append(problem)
         if self.manifest and self.rank == 0:
-            extra = [n for n in _listing(self.directory) if n not in files]
+            extra = [n for n in listing(self.directory, DIRECTORY_MANIFEST) if n not in files]
             problems += [
                 f"{n} is not in {DIRECTORY_MANIFEST} (added after the save)" for n in extra
             ]
@@ -732,6 +668,7 @@ def start_verification(
     loaded: Collection[str] = (),
     ahead: bool = True,
     into: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    unused: Mapping[str, Collection[str]] | None = None,
 ) -> PendingVerification:
     """Start checking a checkpoint directory against its ``ds_manifest.json`` on threads and
     return at once, so the checksums overlap the loader's reads (see [Note: verification
@@ -756,6 +693,10 @@ def start_verification(
     are hashed, instead of into the check's own copies, where the file is copied (see
     :meth:`~PendingVerification.copying_into`): that memory holds unchecked bytes until the
     verdict, and the caller puts it back if the load fails.
+    ``unused``: per file, tensors (by name) the load does not use (a full ZeRO-1/2 load's
+    trainable weights in the model file, which the saved fp32 masters overwrite): neither
+    checked nor copied; the caller drops them from what it read before
+    :meth:`~PendingVerification.verified_object`.
 
     Example:
         >>> with start_verification(path) as pending:
@@ -764,7 +705,7 @@ def start_verification(
         ...     model.load_state_dict(state)
     """
     return PendingVerification(
-        Path(directory), group, values, loaded=loaded, ahead=ahead, into=into
+        Path(directory), group, values, loaded=loaded, ahead=ahead, into=into, unused=unused
     )
 
 

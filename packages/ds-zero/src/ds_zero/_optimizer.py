@@ -149,6 +149,16 @@ class ZeroOptimizer(GradientCore):
         ``refresh_fp32_params()`` puts the masters back from the unchanged parameters."""
         return self.layout.master_views()
 
+    def params_from_masters(self) -> list[torch.nn.Parameter]:
+        """The parameters a sharded load (:meth:`load_checkpoint_shards`,
+        :meth:`load_state_dict`) sets from the saved fp32 masters: every trainable one with
+        ``load_from_fp32_weights``, none without (the masters are then rebuilt from the
+        parameters, which must be loaded first). A loader need not read their weights from
+        anywhere else."""
+        if not self.config.load_from_fp32_weights:
+            return []
+        return [p for group in self.groups for p in group.params]
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's sharded state: its master partition, optimizer state and the layout.
 

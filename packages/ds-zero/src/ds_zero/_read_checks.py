@@ -282,14 +282,18 @@ def holds_value(name: str, values: Collection[str]) -> bool:
 
 
 def wanted_tensors(
-    record: Mapping[str, Any], shard_file: bool, values: Collection[str] | None
+    record: Mapping[str, Any],
+    shard_file: bool,
+    values: Collection[str] | None,
+    unused: Collection[str] = (),
 ) -> list[str]:
-    """The tensors of a file a load uses: all, or in a ZeRO shard file read for ``values``
-    only, the tensors of those values (see [Note: a path verifies what it uses])."""
+    """The tensors of a file a load uses: all but those named ``unused``, and in a ZeRO shard
+    file read for ``values`` only, the tensors of those values (see [Note: a path verifies what
+    it uses])."""
     entries = record.get("tensors") or {}
     if values is None or not shard_file:
-        return list(entries)
-    return [n for n in entries if holds_value(n, values)]
+        return [n for n in entries if n not in unused]
+    return [n for n in entries if holds_value(n, values) and n not in unused]
 
 
 class HelpedPool:

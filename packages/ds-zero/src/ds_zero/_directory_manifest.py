@@ -1,0 +1,80 @@
+"""The file that makes a checkpoint directory complete: ``ds_manifest.json``, every file's record
+written by the ranks together (see [Note: checkpoint integrity] in ``_integrity.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ds_zero._checksums import CHUNK
+from ds_zero._file_problem import file_problem
+from ds_zero._file_record import file_record
+from ds_zero._ranks import ranks_in
+from ds_zero._read_checks import listing
+from ds_zero._sealed import write_sealed
+
+__all__ = [
+    "DIRECTORY_FORMAT",
+    "DIRECTORY_MANIFEST",
+    "share",
+    "verify_files",
+    "write_directory_manifest",
+]
+
+DIRECTORY_MANIFEST = "ds_manifest.json"
+DIRECTORY_FORMAT = "ds.checkpoint/1"
+
+
+def share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
+    """This rank's files to check: the biggest first, each to the least-loaded rank."""
+    load = [0] * world
+    mine = []
+    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += int(files[name]["bytes"]) + 1
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def verify_files(
+    directory: Path, files: Mapping[str, Mapping[str, Any]], *, rank: int = 0, world_size: int = 1
+) -> list[str]:
+    """Problems of this rank's share of ``files`` (each rank checks about 1/world of the bytes)."""
+    problems = []
+    for name in share(files, rank, world_size):
+        try:
+            problem = file_problem(directory, name, files[name])
+        except OSError as exc:
+            problem = f"{name} cannot be read: {exc}"
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def write_directory_manifest(directory: Path, *, group: Any = None) -> None:
+    """Record every file under ``directory`` in its ``ds_manifest.json`` (each rank checksums a
+    share; global rank 0 of ``group`` writes the manifest, fsynced, through a rename). Every rank
+    of ``group`` must call it, after every file is written."""
+    rank, world = ranks_in(group)
+    names = listing(directory, DIRECTORY_MANIFEST)
+    sizes = {n: {"bytes": (directory / n).stat().st_size} for n in names}
+    mine = {n: file_record(directory / n) for n in share(sizes, rank, world)}
+    files: dict[str, Any] = {}
+    if world > 1:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, mine, group=group)
+        for part in out:
+            files.update(part)
+    else:
+        files = mine
+    if rank == 0:
+        manifest = {
+            "format": DIRECTORY_FORMAT,
+            "chunk": CHUNK,
+            "files": dict(sorted(files.items())),
+        }
+        write_sealed(manifest, directory / DIRECTORY_MANIFEST)
