@@ -33,13 +33,13 @@ def hashed_ahead(
     pending = _integrity.PendingVerification
     saved = (_integrity.spare_core, _integrity.in_page_cache, _integrity.COPY_KERNEL, pending.wait)
 
-    def wait(self, problems=()):
+    def wait(self, problems=(), **kwargs):
         if self._verdict is None and before_verdict is not None:
             for _, jobs, _, gaps in self._loaded.values():
                 for job in (*jobs, gaps):
                     self._result(job)  # hashed (and copied): what follows happens after
             write_at(file, *before_verdict)
-        manifest = saved[3](self, problems)
+        manifest = saved[3](self, problems, **kwargs)
         if after_verdict is not None:
             write_at(file, *after_verdict)
         return manifest

@@ -34,6 +34,28 @@ the rank's own file. Otherwise (``elastic_checkpoint``) every old partition is r
 parameter's slice is cut out of the old units by name and the new partition is assembled.
 Scalar state is taken from rank 0. Optimizer state that is neither a scalar nor
 partition-sized cannot be resharded and is an error (ZeRO needs an elementwise optimizer).
+
+[Note: reading the copies after the verdict]
+A full load read its ranges out of the shard files' mappings into new tensors before the
+verdict, while a checksum thread hashed the same files from mappings of its own: two passes
+over every byte, at once, on a machine whose two cores share one memory bus (on the 2-core VM
+the loader's copies of a 10M-parameter ZeRO-2 load took about 9 ms more with the thread running
+than without), and every page faulted into two mappings. Now a shard file hashed from the page
+cache is copied out as it is hashed (ds-zero's [Note: copying while verifying]), as a
+masters-only load's files are, and a rank holding such copies waits for the verdict before it
+reads: each range one piece holds is then a view of the verified copy (``ShardReader(copied=
+...)``), copied once into the optimizer's new buffers. The bytes used are the bytes hashed.
+Each rank checks its own shard file (``share``), the one it reads when loading on the world
+size that saved it. The cost is memory: a file's copies (up to ``COPY_AHEAD_BYTES`` a load) live
+until the load ends, beside the state being assembled; past that budget, and from a cold disk,
+the file is hashed in place and read before the verdict, as before.
+
+Reading after the verdict moves a reading failure (a weight the checkpoint lacks: a model that
+does not fit) past the collective that told every rank of the others' failures. So a rank that
+reads after it says so at the verdict (``wait(reads_after=True)``, in the same all_gather), and
+then every rank, however it read, calls ``agree_reads`` once after its reads: one more
+all_gather, only where some rank reads after the verdict, so that a failure on one rank is
+every rank's error and none waits in the next collective.
 """
 
 from __future__ import annotations
@@ -695,11 +717,19 @@ def load_sharded_checkpoint(
     for file, stored in opened.items():  # the checksums hash what the binding check mapped
         if on_open is not None:
             on_open(source / file, stored)
-    reader = ShardReader(source, manifest, opened, on_open)
+    copied = pending.verified_copy if pending is not None else None
+    reader = ShardReader(source, manifest, opened, on_open, copied)
+    # Shard files copied as hashed are read after the verdict, from the copies (see [Note:
+    # reading the copies after the verdict]).
+    after = pending is not None and any(pending.copying(source / f) for f in manifest["files"])
+    if pending is not None and after:
+        pending.wait(reads_after=True)
 
     def settle(failure: BaseException | None) -> None:
         if pending is not None:
-            pending.wait([f"{source.name}: {failure}"] if failure is not None else [])
+            if not after:
+                pending.wait([f"{source.name}: {failure}"] if failure is not None else [])
+            pending.agree_reads(failure)  # where some rank reads after the verdict
         if failure is None and before_apply is not None:
             before_apply()
 

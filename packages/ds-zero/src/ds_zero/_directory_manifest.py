@@ -3,6 +3,7 @@ written by the ranks together (see [Note: checkpoint integrity] in ``_integrity.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,18 +27,28 @@ __all__ = [
 
 DIRECTORY_MANIFEST = "ds_manifest.json"
 DIRECTORY_FORMAT = "ds.checkpoint/1"
+_SHARD_FILE = re.compile(r"zero[^/]*/zero_shards_rank(\d+)\.pt")
 
 
 def share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
-    """This rank's files to check: the biggest first, each to the least-loaded rank."""
+    """This rank's files to check: rank r's ZeRO shard file (``zero*/zero_shards_rank<r>.pt``)
+    to rank r, which reads it when loading on the world size that saved it (and copies it as
+    it hashes it, see ds-zero's [Note: reading the copies after the verdict]); then the others,
+    the biggest first, each to the least-loaded rank."""
     load = [0] * world
-    mine = []
+    owners = {}
+    for name in files:
+        match = _SHARD_FILE.fullmatch(name)
+        if match is not None and int(match.group(1)) < world:
+            owners[name] = int(match.group(1))
+            load[owners[name]] += int(files[name]["bytes"]) + 1
     for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
-        owner = min(range(world), key=lambda r: (load[r], r))
-        load[owner] += int(files[name]["bytes"]) + 1
-        if owner == rank:
-            mine.append(name)
-    return mine
+        if name not in owners:
+            owners[name] = min(range(world), key=lambda r: (load[r], r))
+            load[owners[name]] += int(files[name]["bytes"]) + 1
+    return [
+        n for n in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)) if owners[n] == rank
+    ]
 
 
 def verify_files(

@@ -174,6 +174,8 @@ __all__ = [
 # Files this small are hashed on the loading thread at the verdict, each in one read, up to this
 # many bytes in all: a hashing thread would wait for the GIL behind the loader longer than that.
 _HASH_HERE = 4 << 20
+# What a rank adds to its problems at the verdict when it reads after it (never a problem).
+_READS_AFTER = "\x00reads after the verdict"
 
 
 # --- the manifest file ---------------------------------------------------------------------------
@@ -266,6 +268,7 @@ class PendingVerification:
         # Their tensors copied out as hashed, for the loader (see [Note: copying while verifying]).
         self._copies: dict[str, CopiedTensors] = {}
         self._verdict: dict[str, Any] | None = None
+        self._reads_after = False  # some rank reads after the verdict: see agree_reads()
         self._pool: HelpedPool | None = None
         try:
             self.manifest = read_directory_manifest(directory)
@@ -439,7 +442,7 @@ class PendingVerification:
         or None (see [Note: copying while verifying]): a file the loader reads whole (the model
         file, named in ``loaded``), and a masters-only load's shard files."""
         whole = name in self._read_whole
-        if not COPY_KERNEL or not (whole or (self.values is not None and _is_shard_file(name))):
+        if not COPY_KERNEL or not (whole or _is_shard_file(name)):
             return None
         budget = COPY_AHEAD_BYTES - sum(c.nbytes for c in self._copies.values())
         return CopiedTensors.of(entries, order, into=self._into.get(name), budget=budget)
@@ -605,9 +608,12 @@ class PendingVerification:
             ]
         return problems
 
-    def wait(self, problems: Sequence[str] = ()) -> dict[str, Any]:
+    def wait(self, problems: Sequence[str] = (), *, reads_after: bool = False) -> dict[str, Any]:
         """Every rank's verdict on every file, plus ``problems`` the caller found while reading
         (a collective; the first call decides and later calls return its manifest).
+        ``reads_after``: this rank reads its values after the verdict (from the copies, see
+        [Note: reading the copies after the verdict]); then every rank calls
+        :meth:`agree_reads` once after its reads.
 
         Returns:
             The directory manifest.
@@ -620,9 +626,11 @@ class PendingVerification:
             if problems:
                 raise CheckpointError(_unusable(self.directory, list(problems)))
             return self._verdict
-        mine = self._problems() + list(problems)
+        mine = self._problems() + list(problems) + ([_READS_AFTER] if reads_after else [])
         self._jobs = {}
         found = list(dict.fromkeys(agree(mine, self.group)))
+        self._reads_after = _READS_AFTER in found
+        found = [problem for problem in found if problem != _READS_AFTER]
         self._stop()
         if found:
             if len(found) == 1 and found[0].startswith(("checkpoint ", str(self.directory))):
@@ -630,6 +638,18 @@ class PendingVerification:
             raise CheckpointError(_unusable(self.directory, found))
         self._verdict = self.manifest
         return self.manifest
+
+    def agree_reads(self, failure: BaseException | None) -> None:
+        """After the verdict, where some rank reads after it (``wait(reads_after=True)``): every
+        rank's reading failure, told to every rank (a collective; each rank calls it once,
+        after its reads). Otherwise ``failure`` is raised here, if any."""
+        if not self._reads_after:
+            if failure is not None:
+                raise failure
+            return
+        found = agree([f"{self.directory.name}: {failure}"] if failure else [], self.group)
+        if found:
+            raise CheckpointError(_unusable(self.directory, list(dict.fromkeys(found))))
 
     def _stop(self) -> None:
         """Stop the checksum threads: no job runs any more, and the loader's tensors are let go."""

@@ -16,13 +16,12 @@ CRC-32 matched the manifest: a file rewritten in place after the check is no lon
 it. A copy that did not match fails the verdict ("what was read differs from the manifest"),
 even if the file is put right before it, so no unmatched copy is ever used.
 
-The copies hold every wanted master of a file at once, until the load ends, where the loader
-held one tensor at a time; so this is done for at most :data:`COPY_AHEAD_BYTES` per load, and
-of the shard files only for a masters-only load (a full load assembles the optimizer's states
-range by range into tensors of the optimizer's own, and would need three times the memory; the
-model file is copied in either, see [Note: copying the file the loader reads whole]). Beyond
-the budget, or without the kernel, the masters are hashed in place and copied after the
-verdict, as before.
+The copies hold every wanted tensor of a file at once, until the load ends, where the loader
+held one at a time; so this is done for at most :data:`COPY_AHEAD_BYTES` per load. A full load
+copies its shard files too, masters and optimizer state, and reads them after the verdict (see
+``_checkpoint.py``'s [Note: reading the copies after the verdict]); the model file is copied in
+either (see [Note: copying the file the loader reads whole]). Beyond the budget, or without the
+kernel, the tensors are hashed in place and read from the file, as before.
 The copies of a file are carved out of one buffer allocated on the loading thread and left
 untouched there: the copying threads fault its pages in as they write. Fresh 4 KiB pages cost
 about as much as the copy itself (the 2-core VM wrote 40 MB into fresh pages in 31 ms, into

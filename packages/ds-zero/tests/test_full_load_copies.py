@@ -1,0 +1,146 @@
+"""A full load whose shard files are copied as they are hashed reads its values from the copies,
+after the verdict ([Note: reading the copies after the verdict] in ``_checkpoint.py``): the same
+values as a plain load, and a reading failure after the verdict on one rank is every rank's
+error, whichever ranks read before the verdict and which after."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_native
+from ds_testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ds_zero_testing import adam, global_batches, make_model, micro_batches
+
+pytestmark = pytest.mark.skipif(
+    not ds_native.native_available(), reason="no C extension: nothing is copied"
+)
+
+
+def _zero(model: torch.nn.Module, stage: int):
+    from ds_zero import Stage3Optimizer, ZeroConfig, ZeroOptimizer
+
+    config = ZeroConfig.from_dict({"stage": stage, "reduce_bucket_size": 4000})
+    kind = Stage3Optimizer if stage == 3 else ZeroOptimizer
+    return kind(model, adam(list(model.parameters())), config)
+
+
+def _save(rank: int, world_size: int, *, root: str, stage: int) -> None:
+    from ds_zero import save_sharded_checkpoint
+    from ds_zero._integrity import write_directory_manifest
+
+    zero = _zero(make_model(torch.float32), stage)
+    for batch in global_batches(2, 8):
+        (micro,) = micro_batches(batch, rank, world_size, 1)
+        zero.backward(zero.module(micro))
+        zero.step()
+    save_sharded_checkpoint(Path(root) / "zero", zero)
+    write_directory_manifest(Path(root))
+
+
+def _state(zero) -> list[torch.Tensor]:
+    """This rank's masters and elementwise optimizer state, in a fixed order."""
+    out = []
+    for master in zero.masters:
+        out.append(master.detach().clone())
+        state = zero.optimizer.state.get(master, {})
+        out += [state[k].clone() for k in sorted(state) if state[k].dim() == 1]
+    return out
+
+
+def _hashed_ahead(spare: bool) -> list[bool]:
+    """Force a core to spare (``spare``) and the files cached; record, per lookup of a range one
+    piece holds, whether it was a view of a verified copy."""
+    from ds_zero import _integrity, _manifest
+
+    _integrity.spare_core = lambda: spare
+    _integrity.in_page_cache = lambda path, offsets: True
+    hits: list[bool] = []
+    copy = _manifest.ShardReader._copy
+
+    def recording(self, file, key):
+        got = copy(self, file, key)
+        hits.append(got is not None)
+        return got
+
+    _manifest.ShardReader._copy = recording
+    return hits
+
+
+def _load_body(rank: int, world_size: int, *, root: str, stage: int) -> bool:
+    from ds_zero import load_sharded_checkpoint, start_verification
+
+    plain = _zero(make_model(torch.float32, seed=3), stage)
+    load_sharded_checkpoint(Path(root) / "zero", plain)
+    hits = _hashed_ahead(spare=True)
+    zero = _zero(make_model(torch.float32, seed=3), stage)
+    with start_verification(root) as pending:
+        load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
+    got, expected = _state(zero), _state(plain)
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    for p, q in zip(zero.module.parameters(), plain.module.parameters()):
+        assert torch.equal(p, q)
+    return bool(hits) and all(hits)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_full_load_reads_the_copies_after_the_verdict(
+    tmp_path: Path, stage: int, world_size: int
+) -> None:
+    run_on_ranks(_save, world_size, root=str(tmp_path), stage=stage, timeout=300)
+    copied = run_on_ranks(_load_body, world_size, root=str(tmp_path), stage=stage, timeout=300)
+    assert all(copied), copied  # every range read came from a verified copy
+
+
+def _unfit_body(rank: int, world_size: int, *, root: str, copying_rank: int) -> tuple[bool, str]:
+    """Load into the saved model plus one trainable weight at its end (held by the last rank
+    only), rank ``copying_rank`` reading from copies after the verdict, the other before it:
+    whether this rank's own reading failed, and the error it raised."""
+    from ds_zero import CheckpointError, load_sharded_checkpoint, start_verification
+    from ds_zero._manifest import ShardReader
+
+    _hashed_ahead(spare=rank == copying_rank)
+    failed = []
+    lookup = ShardReader.lookup
+
+    def recording(self, name, start, stop, values=None):
+        try:
+            return lookup(self, name, start, stop, values)
+        except CheckpointError:
+            failed.append(name)
+            raise
+
+    ShardReader.lookup = recording
+    model = make_model(torch.float32, seed=3)
+    model.extra = torch.nn.Parameter(torch.zeros(40))
+    zero = _zero(model, 2)
+    before = _state(zero)
+    with start_verification(root) as pending:
+        try:
+            load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
+        except CheckpointError as exc:
+            assert all(torch.equal(a, b) for a, b in zip(_state(zero), before))
+            return bool(failed), str(exc)
+    return bool(failed), "loaded"
+
+
+@pytest.mark.parametrize("copying_rank", [0, 1], ids=["failing-rank-reads-first", "after"])
+def test_a_read_failing_after_the_verdict_is_every_ranks_error(
+    tmp_path: Path, copying_rank: int
+) -> None:
+    """The weight the checkpoint lacks is looked up on rank 1 only; rank 1 reads before the
+    verdict (its failure joins the verdict) or after it (told through ``agree_reads``): both
+    ranks raise the same error, naming the weight, and neither hangs."""
+    run_on_ranks(_save, 2, root=str(tmp_path), stage=2, timeout=300)
+    results = run_on_ranks(
+        _unfit_body, 2, root=str(tmp_path), copying_rank=copying_rank, timeout=120
+    )
+    (failed_0, error_0), (failed_1, error_1) = results
+    assert not failed_0 and failed_1, results
+    assert error_0 == error_1 and "'extra'" in error_0, results
