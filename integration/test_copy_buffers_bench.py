@@ -20,7 +20,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_line_per_process_and_a_row_per_buffer() -> None:
-    proc = _bench("--mb", "6", "--tensors", "3", "--rounds", "3", "--processes", "2")
+    proc = _bench("--mb", "6", "--tensors", "3", "--rounds", "5", "--processes", "2")
     if proc.returncode == 1 and "offers no transparent huge pages" in proc.stderr:
         pytest.skip(proc.stderr.strip())
     if proc.returncode == 1 and "C extension is not built" in proc.stderr:
@@ -30,7 +30,7 @@ def test_a_line_per_process_and_a_row_per_buffer() -> None:
         r"^process (\d)/2: new [0-9.]+ ms \(slowest [0-9.]+\), kept ", proc.stdout, re.M
     )
     assert lines == ["1", "2"], proc.stdout
-    assert "6 MB in 3 tensors copied and hashed on a thread, 3 rounds of each arm" in proc.stdout
+    assert "6 MB in 3 tensors copied and hashed on a thread, 5 rounds of each arm" in proc.stdout
     rows = re.findall(
         r"^\| (new|kept) \| ([0-9.]+) \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+) \|$",
         proc.stdout,
@@ -40,9 +40,11 @@ def test_a_line_per_process_and_a_row_per_buffer() -> None:
     assert all(float(ms) > 0 for _, ms, _ in rows)
     # the median over the processes: a half between two counts (6.5) on an even number of them
     new_faults, kept_faults = (float(faults) for *_, faults in rows)
-    # 6 MB: three 2 MiB pages or more, then none. Three rounds, so that a round's stray fault
-    # of the thread's own (about 1 round in 50 on the VM) is not the median, as it was of two.
-    assert new_faults >= 3 and kept_faults == 0
+    # 6 MB: three 2 MiB pages or more, then (nearly) none. A kept buffer is advised MADV_FREE,
+    # so the kernel may take a page back and the next copy faults it in again, and the thread
+    # has a stray fault of its own about 1 round in 50 on the VM: one process's median was 1
+    # once under nox, the other's 0. So at most one fault, the median over 5 rounds each.
+    assert new_faults >= 3 and kept_faults <= 1
 
 
 def test_bad_sizes_are_refused() -> None:
