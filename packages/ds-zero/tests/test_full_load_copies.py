@@ -17,7 +17,7 @@ from ds_testing import run_on_ranks
 sys.path.insert(0, str(Path(__file__).parent))
 from _ds_zero_testing import adam, global_batches, make_model, micro_batches
 
-pytestmark = pytest.mark.skipif(
+needs_copies = pytest.mark.skipif(
     not ds_native.native_available(), reason="no C extension: nothing is copied"
 )
 
@@ -88,6 +88,7 @@ def _load_body(rank: int, world_size: int, *, root: str, stage: int) -> bool:
     return bool(hits) and all(hits)
 
 
+@needs_copies
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_full_load_reads_the_copies_after_the_verdict(
@@ -130,6 +131,7 @@ def _unfit_body(rank: int, world_size: int, *, root: str, copying_rank: int) -> 
     return bool(failed), "loaded"
 
 
+@needs_copies
 @pytest.mark.parametrize("copying_rank", [0, 1], ids=["failing-rank-reads-first", "after"])
 def test_a_read_failing_after_the_verdict_is_every_ranks_error(
     tmp_path: Path, copying_rank: int
@@ -144,3 +146,33 @@ def test_a_read_failing_after_the_verdict_is_every_ranks_error(
     (failed_0, error_0), (failed_1, error_1) = results
     assert not failed_0 and failed_1, results
     assert error_0 == error_1 and "'extra'" in error_0, results
+
+
+def test_each_rank_checks_the_shard_file_it_reads_and_the_rest_is_balanced() -> None:
+    """``share``: rank r checks ``zero/zero_shards_rank<r>.pt`` (the file it reads on the world
+    size that saved it, and copies as it hashes it), whatever the sizes; every other file (a
+    shard file past the world size, model-parallel folders, the rest) goes to the least-loaded
+    rank, the biggest first; each file to exactly one rank."""
+    from ds_zero._directory_manifest import share
+
+    files = {
+        "zero/zero_shards_rank00000.pt": {"bytes": 100},
+        "zero/zero_shards_rank00001.pt": {"bytes": 300},  # bigger: balancing alone gives it to 0
+        "zero/zero_shards_rank00002.pt": {"bytes": 50},  # past a world of 2
+        "zero_mp01/zero_shards_rank00000.pt": {"bytes": 40},
+        "mp_rank_00_model_states.pt": {"bytes": 120},
+        "rng_state_rank00000.pt": {"bytes": 5},
+    }
+    mine = [share(files, rank, 2) for rank in range(2)]
+    assert "zero/zero_shards_rank00000.pt" in mine[0]
+    assert "zero/zero_shards_rank00001.pt" in mine[1]
+    assert sorted(mine[0] + mine[1]) == sorted(files)
+    # rank 0 holds 100 bytes to rank 1's 300: the rest go to it until it holds more (314)
+    assert mine[0] == [
+        "mp_rank_00_model_states.pt",
+        "zero/zero_shards_rank00000.pt",
+        "zero/zero_shards_rank00002.pt",
+        "zero_mp01/zero_shards_rank00000.pt",
+    ]
+    assert mine[1] == ["zero/zero_shards_rank00001.pt", "rng_state_rank00000.pt"]
+    assert share(files, 0, 1) == sorted(files, key=lambda n: -files[n]["bytes"])

@@ -27,11 +27,13 @@ __all__ = [
 
 DIRECTORY_MANIFEST = "ds_manifest.json"
 DIRECTORY_FORMAT = "ds.checkpoint/1"
-_SHARD_FILE = re.compile(r"zero[^/]*/zero_shards_rank(\d+)\.pt")
+# Rank r's shard file of an engine without model parallelism (whose ``zero_mp<m>/`` files are
+# each read by the rank of data-parallel rank r in slice m: a rank this cannot tell).
+_SHARD_FILE = re.compile(r"zero/zero_shards_rank(\d+)\.pt")
 
 
 def share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list[str]:
-    """This rank's files to check: rank r's ZeRO shard file (``zero*/zero_shards_rank<r>.pt``)
+    """This rank's files to check: rank r's ZeRO shard file (``zero/zero_shards_rank<r>.pt``)
     to rank r, which reads it when loading on the world size that saved it (and copies it as
     it hashes it, see ds-zero's [Note: reading the copies after the verdict]); then the others,
     the biggest first, each to the least-loaded rank."""
