@@ -176,3 +176,88 @@ def test_each_rank_checks_the_shard_file_it_reads_and_the_rest_is_balanced() -> 
     ]
     assert mine[1] == ["zero/zero_shards_rank00001.pt", "rng_state_rank00000.pt"]
     assert share(files, 0, 1) == sorted(files, key=lambda n: -files[n]["bytes"])
+
+
+def _into_body(rank: int, world_size: int, *, root: str, stage: int) -> list[bool]:
+    """A full load with the pieces copied, as hashed, into the optimizer's new buffers
+    (``shard_destinations`` handed to ``start_verification(into=...)``): the plain load's
+    values, and each elementwise state of each master is the very buffer the threads wrote."""
+    from ds_zero import load_sharded_checkpoint, start_verification
+
+    plain = _zero(make_model(torch.float32, seed=3), stage)
+    load_sharded_checkpoint(Path(root) / "zero", plain)
+    _hashed_ahead(spare=True)
+    zero = _zero(make_model(torch.float32, seed=3), stage)
+    places = zero.shard_destinations(Path(root) / "zero")
+    assert places, "the checkpoint was saved on this world size: every range is one piece"
+    into = {f"zero/{file}": tensors for file, tensors in places.items()}
+    written = {
+        t.untyped_storage().data_ptr()
+        for tensors in places.values()
+        for key, t in tensors.items()
+        if not key.endswith("/param")
+    }
+    with start_verification(root, into=into) as pending:
+        assert all(pending.copying_into(Path(root) / name) for name in into)
+        load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
+    got, expected = _state(zero), _state(plain)
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    for p, q in zip(zero.module.parameters(), plain.module.parameters()):
+        assert torch.equal(p, q)
+    held = [
+        value.untyped_storage().data_ptr() in written
+        for master in zero.masters
+        for value in zero.optimizer.state.get(master, {}).values()
+        if torch.is_tensor(value) and value.dim() == 1
+    ]
+    assert zero.layout._load_buffers is None  # taken by the load
+    return held
+
+
+@needs_copies
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_pieces_are_copied_into_the_optimizers_buffers_as_hashed(
+    tmp_path: Path, stage: int, world_size: int
+) -> None:
+    """No copy of a range on the loading thread: the optimizer's state after the load is the
+    memory the checksum threads copied the pieces into (ds-zero's [Note: copying the pieces
+    into the optimizer's buffers])."""
+    run_on_ranks(_save, world_size, root=str(tmp_path), stage=stage, timeout=300)
+    held = run_on_ranks(_into_body, world_size, root=str(tmp_path), stage=stage, timeout=300)
+    assert all(h and all(h) for h in held), held
+
+
+def _into_refused_body(rank: int, world_size: int, *, root: str) -> str:
+    from ds_zero import CheckpointError, load_sharded_checkpoint, start_verification
+
+    _hashed_ahead(spare=True)
+    zero = _zero(make_model(torch.float32, seed=3), 2)
+    before = _state(zero)
+    into = {f"zero/{f}": t for f, t in zero.shard_destinations(Path(root) / "zero").items()}
+    with start_verification(root, into=into) as pending:
+        try:
+            load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
+        except CheckpointError as exc:
+            assert all(torch.equal(a, b) for a, b in zip(_state(zero), before))
+            assert zero.layout._load_buffers is None
+            return str(exc)
+    return "loaded"
+
+
+@needs_copies
+def test_a_damaged_piece_copied_into_the_buffers_is_refused_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    run_on_ranks(_save, 2, root=str(tmp_path), stage=2, timeout=300)
+    name = "zero/zero_shards_rank00001.pt"
+    entries = json.loads((tmp_path / "ds_manifest.json").read_text())["files"][name]["tensors"]
+    moment = next(n for n in entries if n.endswith("/exp_avg"))
+    data = bytearray((tmp_path / name).read_bytes())
+    data[int(entries[moment]["offset"]) + 3] ^= 0x10
+    (tmp_path / name).write_bytes(bytes(data))
+    results = run_on_ranks(_into_refused_body, 2, root=str(tmp_path), timeout=300)
+    assert results[0] == results[1] and f"{name} corrupted" in results[0], results
+    assert repr(moment) in results[0], results

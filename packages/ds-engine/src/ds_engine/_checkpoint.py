@@ -611,6 +611,10 @@ def load_checkpoint(
     ahead = from_shards or bool(_partitioned_keys(engine.module))
     views = {} if from_shards else _master_views(engine, custom_load_fn)
     into = {model_file: {f"module/{name}": view for name, view in views.items()}}
+    if from_shards and isinstance(optimizer, _ZERO):  # the pieces into the state's buffers
+        folder = _zero_dir(engine)
+        for file, places in optimizer.shard_destinations(path / folder).items():
+            into[f"{folder}/{file}"] = places
     written = optimizer if views and isinstance(optimizer, ZeroOptimizer) else None
     overwritten = _overwritten_keys(engine, custom_load_fn) if from_shards else {}
     unused = {model_file: [f"module/{key}" for key in overwritten]}

@@ -46,9 +46,12 @@ masters-only load's files are, and a rank holding such copies waits for the verd
 reads: each range one piece holds is then a view of the verified copy (``ShardReader(copied=
 ...)``), copied once into the optimizer's new buffers. The bytes used are the bytes hashed.
 Each rank checks its own shard file (``share``), the one it reads when loading on the world
-size that saved it. The cost is memory: a file's copies (up to ``COPY_AHEAD_BYTES`` a load) live
-until the load ends, beside the state being assembled; past that budget, and from a cold disk,
-the file is hashed in place and read before the verdict, as before.
+size that saved it. Loaded on that world size, the pieces are copied straight into the
+optimizer's new buffers (``_zero_shards.py``'s [Note: copying the pieces into the optimizer's
+buffers]): no memory beyond the load's own, and no budget. Otherwise the copies are the
+check's own (up to ``COPY_AHEAD_BYTES`` a load, beside the state being assembled); past that
+budget, and from a cold disk, the file is hashed in place and read before the verdict, as
+before.
 
 Reading after the verdict moves a reading failure (a weight the checkpoint lacks: a model that
 does not fit) past the collective that told every rank of the others' failures. So a rank that
@@ -707,6 +710,25 @@ def load_sharded_checkpoint(
             f"{str(source)!r} is a universal checkpoint, but param groups with their own process "
             "groups (MoE experts) load only from the per-rank format they save"
         )
+    try:
+        manifest = _verify_and_load(source, optimizer, verified, before_apply)
+    finally:  # the buffers staged for this load (shard_destinations): taken, or unwanted now
+        layout = getattr(optimizer, "layout", None)
+        if hasattr(layout, "_load_buffers"):
+            layout._load_buffers = None  # type: ignore[union-attr]
+    restore_scalar_state(optimizer, load_file(source / _SCALARS))
+    client = source / _CLIENT
+    return load_file(client) if _CLIENT in manifest["files"] else None
+
+
+def _verify_and_load(
+    source: Path,
+    optimizer: Any,
+    verified: bool | PendingVerification,
+    before_apply: Callable[[], None] | None,
+) -> dict[str, Any]:
+    """:func:`load_sharded_checkpoint`'s check and read of ``source`` (a sharded directory);
+    returns its manifest."""
     _, _, pg = _topology(optimizer)
     pending = verified if isinstance(verified, PendingVerification) else None
     opened: dict[str, Mapping[str, Any]] = {}  # each shard file parsed once, checked and read
@@ -737,9 +759,7 @@ def load_sharded_checkpoint(
         _load_shards(optimizer, SettlingLookup(reader.lookup, settle))
     finally:
         reader.close()
-    restore_scalar_state(optimizer, load_file(source / _SCALARS))
-    client = source / _CLIENT
-    return load_file(client) if _CLIENT in manifest["files"] else None
+    return manifest
 
 
 def _load_per_rank(source: Path, optimizer: ZeroOptimizer) -> dict[str, Any] | None:

@@ -41,7 +41,11 @@ from ds_zero._residency import Residency
 from ds_zero._setup import dist_rank, dp_rank_and_size, trainable_groups
 from ds_zero._shards import ShardLookup, TensorShard
 from ds_zero._step_slices import step_in_slices, step_slice_numel
-from ds_zero._zero_shards import zero_checkpoint_shards, zero_load_checkpoint_shards
+from ds_zero._zero_shards import (
+    zero_checkpoint_shards,
+    zero_load_checkpoint_shards,
+    zero_shard_destinations,
+)
 from ds_zero.api import MemoryBreakdown, TensorSwapper, ZeroConfig
 
 __all__ = ["FlatLayout"]
@@ -84,6 +88,8 @@ class FlatLayout:
         self.config = config
         offload = self.config.offload_optimizer
         self.module, self.group = model, group
+        # Buffers the next checkpoint load takes as its own (see zero_shard_destinations).
+        self._load_buffers: list[dict[str, torch.Tensor]] | None = None
         self.optimizer: Any = optimizer  # ds-optim's CPUAdam steps with fp16_param_groups=
         self.residency = residency
         self.rank, self.world_size = dp_rank_and_size(group)
@@ -392,6 +398,11 @@ class FlatLayout:
         """What this rank holds, per parameter range, for a universal checkpoint (see
         [Note: tensor shards of the flat layout])."""
         return zero_checkpoint_shards(self)
+
+    def shard_destinations(self, manifest: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        """Where a full load may copy this rank's pieces as they are hashed (see
+        :func:`~ds_zero._zero_shards.zero_shard_destinations`)."""
+        return zero_shard_destinations(self, manifest)
 
     def load_checkpoint_shards(self, lookup: ShardLookup) -> None:
         """Fill this rank's masters, optimizer state and parameters from ``lookup`` (a

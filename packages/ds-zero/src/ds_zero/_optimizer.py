@@ -5,7 +5,9 @@ up with the flat-bucket layout (``_flat_layout.py``) and whole parameters (``_re
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +15,7 @@ import torch
 from ds_zero._core import GradientCore
 from ds_zero._flat_layout import FlatLayout
 from ds_zero._layout import FlatGroup
+from ds_zero._manifest import CheckpointError, read_manifest
 from ds_zero._param_access import register_param_owner
 from ds_zero._residency import WholeResidency
 from ds_zero._setup import check_step_options
@@ -181,6 +184,23 @@ class ZeroOptimizer(GradientCore):
         """What this rank holds, per parameter range, for a universal checkpoint (see
         [Note: tensor shards of the flat layout])."""
         return self.layout.checkpoint_shards()
+
+    def shard_destinations(
+        self, folder: str | os.PathLike[str]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Where a full load of the sharded checkpoint in ``folder`` may have the checksum
+        threads copy this rank's pieces as they hash them: per shard file (relative to
+        ``folder``), per tensor key, a range of a new buffer the next
+        :meth:`load_checkpoint_shards` takes as its optimizer state (or, for the masters, copies
+        from) instead of copying each range out of the file (see ds-zero's [Note: copying the
+        pieces into the optimizer's buffers]). Empty where the checkpoint's pieces are not
+        exactly this rank's ranges (another world size or layout), or its manifest cannot be
+        read (the load's verification says why)."""
+        try:
+            manifest = read_manifest(Path(folder))
+        except CheckpointError:
+            return {}
+        return self.layout.shard_destinations(manifest)
 
     def load_checkpoint_shards(self, lookup: ShardLookup) -> None:
         """Fill this rank's masters, optimizer state and parameters from ``lookup`` (a

@@ -81,7 +81,7 @@ from ds_zero._partitioned import shard_bounds
 from ds_zero._residency import PartitionedResidency
 from ds_zero._setup import dist_rank, trainable_groups
 from ds_zero._shard_reduce import ShardGradReducer, Slot
-from ds_zero._shards import ShardLookup, TensorShard, read_then_settle
+from ds_zero._shards import ShardLookup, TensorShard, read_then_settle, staged_pieces
 from ds_zero._step_slices import step_in_slices
 from ds_zero._streams import CollectiveQueue
 from ds_zero._zeropp import quantized_reduce_scatter
@@ -139,6 +139,8 @@ class ShardLayout:
         self.group, self.rank, self.world_size, self.mics = group, rank, world_size, mics
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._checkpoint_names = dict(checkpoint_names or {})
+        # Buffers the next checkpoint load takes as its own (see shard_destinations).
+        self._load_buffers: list[dict[str, torch.Tensor]] | None = None
         self.trainable = trainable_groups(model, optimizer)
         self._param_dtype = next(p.dtype for g in self.trainable for p in g)
         self._build_masters()
@@ -451,6 +453,29 @@ class ShardLayout:
             shards.append(TensorShard(name, p.ds_shape, p.dtype, start, stop, values))
         return shards
 
+    def shard_destinations(self, manifest: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        """Where a full load's checksum threads may copy this rank's pieces of a checkpoint with
+        zero manifest ``manifest`` as they hash them (ds-zero's [Note: copying the pieces into
+        the optimizer's buffers]): per shard file, per tensor key, a range of a new buffer of a
+        master's size, one per master and value, which the next load takes as its own. Empty
+        unless every trainable range this rank holds is exactly one piece of the checkpoint
+        and the masters are CPU memory with no NVMe swap."""
+        self._load_buffers = None
+        if self._swap is not None:
+            return {}
+        trainable = {id(p) for p in self._slots_params()}
+        ranges = (
+            (self._checkpoint_names.get(name, name), *self._shard_range(p), slot.index, slot.offset)
+            for name, p in self.module.named_parameters()
+            if id(p) in trainable
+            for slot in (self._slots[id(p)],)
+        )
+        found = staged_pieces(ranges, self.masters, manifest)
+        if found is None:
+            return {}
+        into, self._load_buffers = found
+        return into
+
     def load_checkpoint_shards(self, lookup: ShardLookup, global_steps: int) -> None:
         """Fill this rank's masters, elementwise optimizer state and parameter shards from
         ``lookup``; scalar optimizer state not kept is set to ``global_steps``."""
@@ -491,6 +516,7 @@ class ShardLayout:
         each parameter with a master slot."""
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         states: list[dict[str, torch.Tensor]] = [{} for _ in self.masters]
+        given, self._load_buffers = self._load_buffers or states, None
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 start, stop = self._shard_range(p)
@@ -515,8 +541,13 @@ class ShardLayout:
                         # would zero a whole master per parameter: quadratic in the model).
                         target = states[slot.index].get(key)
                         if target is None:
-                            target = states[slot.index][key] = torch.zeros_like(master)
-                        target.narrow(0, slot.offset, n).copy_(value)
+                            target = given[slot.index].get(key)
+                            if target is None:
+                                target = torch.zeros_like(master)
+                            states[slot.index][key] = target
+                        place = target.narrow(0, slot.offset, n)
+                        if place.data_ptr() != value.data_ptr():  # else copied there as hashed
+                            place.copy_(value)
         return writes, states
 
     # --- memory ----------------------------------------------------------------------------------

@@ -13,13 +13,13 @@ lookup of any range, which is why world size and stage may change between save a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ShardLookup", "TensorShard", "read_then_settle"]
+__all__ = ["ShardLookup", "TensorShard", "read_then_settle", "staged_pieces"]
 
 _Read = TypeVar("_Read")
 
@@ -72,3 +72,37 @@ def read_then_settle(lookup: ShardLookup, read: Callable[[], _Read]) -> _Read:
     if settle is not None:
         settle()
     return found
+
+
+# Where each piece of a load goes: per shard file, per tensor key, a range of a new buffer.
+Destinations = dict[str, dict[str, torch.Tensor]]
+
+
+def staged_pieces(
+    ranges: Iterable[tuple[str, int, int, int, int]],
+    masters: Sequence[torch.Tensor],
+    manifest: Mapping[str, Any],
+) -> tuple[Destinations, list[dict[str, torch.Tensor]]] | None:
+    """New buffers of each master's size, one per saved value, and each piece's place in them,
+    for the ranges a rank holds (``(checkpoint name, start, stop, master index, position in
+    the master)``) of a checkpoint with zero manifest ``manifest`` (see ds-zero's [Note:
+    copying the pieces into the optimizer's buffers]); None unless every range is exactly one
+    piece and the masters are on the CPU."""
+    if any(m.device.type != "cpu" for m in masters):
+        return None
+    into: Destinations = {}
+    staged: list[dict[str, torch.Tensor]] = [{} for _ in masters]
+    for name, start, stop, index, at in ranges:
+        if start == stop:
+            continue  # nothing of it here
+        entry = manifest.get("tensors", {}).get(name) or {}
+        pieces = [p for p in entry.get("pieces", ()) if p[2] == start and p[3] == stop]
+        if len(pieces) != 1:
+            return None
+        file, key, _, _ = pieces[0]
+        buffers = staged[index]
+        for value in entry["values"]:
+            if value not in buffers:
+                buffers[value] = torch.zeros_like(masters[index])
+            into.setdefault(file, {})[f"{key}/{value}"] = buffers[value].narrow(0, at, stop - start)
+    return into, staged

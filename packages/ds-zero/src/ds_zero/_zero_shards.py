@@ -12,24 +12,44 @@ even pieces of each parameter (``[n * r // N, n * (r + 1) // N)``), so the ranks
 each element once and share the writing. Loading asks the lookup for exactly the ranges the
 rank's partition holds (all of every parameter for stage 0), whatever stage and world size
 wrote them; elementwise optimizer state follows the same ranges as the masters.
+
+[Note: copying the pieces into the optimizer's buffers]
+A full load assembles each master's optimizer state (``exp_avg``, ...) range by range into new
+buffers of the master's size, and the masters' values into ranges it copies after the verdict.
+Reading the copies after the verdict (``_checkpoint.py``'s note) still copied each range once
+on the loading thread, and held a copy of the whole shard file beside the buffers, so past
+``COPY_AHEAD_BYTES`` (a 100M-parameter ZeRO-2 shard is 1.2 GB) it was not done at all. When
+the checkpoint was saved on this world size and layout, every range this rank holds is one
+piece of its own shard file, exactly; :func:`zero_shard_destinations` (and the stage-3
+layout's ``shard_destinations``) then allocates those buffers before the check starts, one per
+master and value ("param" included, a staging buffer for the masters), and names each piece's
+place in them as the copy's destination (``start_verification(into=...)``, all or nothing per
+file). The checksum threads copy every piece there as they hash it; the load takes the buffers
+as its optimizer state (a range already in place is not copied: the lookup's view and the
+target are the same memory) and copies the masters' staging into the masters after the
+verdict. No memory beyond the load's own buffers, and no copy on the loading thread but the
+masters'. The buffers are the load's until it ends (``_load_buffers``, dropped by
+``load_sharded_checkpoint`` either way); nothing of the optimizer is written before the
+verdict. Another world size, a stage-0 layout, NVMe-swapped or accelerator masters, MoE
+groups: no destinations, and the load reads as before.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ds_zero._manifest import CheckpointError
-from ds_zero._shards import ShardLookup, TensorShard, read_then_settle
+from ds_zero._shards import ShardLookup, TensorShard, read_then_settle, staged_pieces
 
 if TYPE_CHECKING:
     from ds_zero._flat_layout import FlatLayout
     from ds_zero._layout import FlatGroup
 
-__all__ = ["zero_checkpoint_shards", "zero_load_checkpoint_shards"]
+__all__ = ["zero_checkpoint_shards", "zero_load_checkpoint_shards", "zero_shard_destinations"]
 
 
 def _check_supported(zero: FlatLayout, lookup: ShardLookup | None = None) -> None:
@@ -116,6 +136,31 @@ def _frozen(zero: FlatLayout) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in zero.module.named_parameters() if id(p) not in trainable]
 
 
+def zero_shard_destinations(
+    zero: FlatLayout, manifest: Mapping[str, Any]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Where a full load's checksum threads may copy this rank's pieces of a checkpoint with
+    zero manifest ``manifest`` as they hash them (see [Note: copying the pieces into the
+    optimizer's buffers]): per shard file (its name in the zero folder), per tensor key
+    (``<piece>/<value>``), a range of a new buffer of the master's size, one per value, which
+    the next :func:`zero_load_checkpoint_shards` takes as its own. Empty (nothing staged)
+    unless every range this rank holds is one piece of the checkpoint, exactly (saved on this
+    world size and layout), and the masters are CPU memory of their own."""
+    zero._load_buffers = None
+    if zero._master_is_flat or zero._swap is not None or zero.own_groups:
+        return {}
+    ranges = (
+        (name, start, stop, index, at)
+        for index, group in enumerate(zero.groups)
+        for name, _, start, stop, at in _held_ranges(zero, group)
+    )
+    found = staged_pieces(ranges, zero.masters, manifest)
+    if found is None:
+        return {}
+    into, zero._load_buffers = found
+    return into
+
+
 def zero_load_checkpoint_shards(zero: FlatLayout, lookup: ShardLookup) -> None:
     """Restore the fp32 masters (with ``load_from_fp32_weights``; else they are rebuilt from
     the model's weights) and the elementwise optimizer state from ``lookup``, then write the
@@ -168,7 +213,8 @@ def _read_shards(
     from_checkpoint = zero.config.load_from_fp32_weights
     masters: list[list[tuple[int, torch.Tensor]] | None] = []
     states: list[dict[str, torch.Tensor]] = []
-    for group, master in zip(zero.groups, zero.masters):
+    staged, zero._load_buffers = zero._load_buffers or [{} for _ in zero.groups], None
+    for group, master, given in zip(zero.groups, zero.masters, staged):
         loaded: list[tuple[int, torch.Tensor]] | None = [] if from_checkpoint else None
         state: dict[str, torch.Tensor] = {}
         keys: set[str] | None = None
@@ -187,8 +233,10 @@ def _read_shards(
                 loaded.append((at, values["param"].reshape(-1)))
             for key in found:
                 if key not in state:  # one buffer per value, not one per range
-                    state[key] = torch.zeros_like(master)
-                state[key].narrow(0, at, stop - start).copy_(values[key])
+                    state[key] = given[key] if key in given else torch.zeros_like(master)
+                target = state[key].narrow(0, at, stop - start)
+                if target.data_ptr() != values[key].data_ptr():  # else copied there as hashed
+                    target.copy_(values[key])
         masters.append(loaded)
         states.append(state)
     frozen = []
