@@ -515,8 +515,8 @@ def _drop_overwritten(
 ) -> set[str]:
     """Drop ``keys`` (see :func:`_overwritten_keys`) from the model file's module state as read
     (neither checked nor used); return those dropped. A weight whose shape is not its
-    parameter's is noted for the verdict: every rank refuses the load, where the module's
-    ``load_state_dict`` would have refused it on this rank only."""
+    parameter's is noted for the verdict: every rank refuses the load before anything is
+    written, where the module's ``load_state_dict`` refused it after the verdict."""
     module = state.get("module")
     if not keys or not isinstance(module, dict):
         return set()
