@@ -5,7 +5,9 @@ error, whichever ranks read before the verdict and which after."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,38 +55,55 @@ def _state(zero) -> list[torch.Tensor]:
     return out
 
 
-def _hashed_ahead(spare: bool) -> list[bool]:
+@contextlib.contextmanager
+def _hashed_ahead(spare: bool) -> Iterator[list[bool]]:
     """Force a core to spare (``spare``) and the files cached; record, per lookup of a range one
-    piece holds, whether it was a view of a verified copy."""
+    piece holds, whether it was a view of a verified copy. Undone on exit: the harness reuses
+    its rank processes."""
     from ds_zero import _integrity, _manifest
 
-    _integrity.spare_core = lambda: spare
-    _integrity.in_page_cache = lambda path, offsets: True
+    saved = (_integrity.spare_core, _integrity.in_page_cache, _manifest.ShardReader._copy)
+    copy = saved[2]
     hits: list[bool] = []
-    copy = _manifest.ShardReader._copy
 
     def recording(self, file, key):
         got = copy(self, file, key)
         hits.append(got is not None)
         return got
 
+    _integrity.spare_core = lambda: spare
+    _integrity.in_page_cache = lambda path, offsets: True
     _manifest.ShardReader._copy = recording
-    return hits
+    try:
+        yield hits
+    finally:
+        _integrity.spare_core, _integrity.in_page_cache, _manifest.ShardReader._copy = saved
+
+
+def _plain_load(root: str, stage: int):
+    """A fresh optimizer loaded from ``root`` with no check: what every load must give."""
+    from ds_zero import load_sharded_checkpoint
+
+    plain = _zero(make_model(torch.float32, seed=3), stage)
+    load_sharded_checkpoint(Path(root) / "zero", plain)
+    return plain
+
+
+def _assert_loaded_alike(zero, plain) -> None:
+    got, expected = _state(zero), _state(plain)
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    for p, q in zip(zero.module.parameters(), plain.module.parameters()):
+        assert torch.equal(p, q)
 
 
 def _load_body(rank: int, world_size: int, *, root: str, stage: int) -> bool:
     from ds_zero import load_sharded_checkpoint, start_verification
 
-    plain = _zero(make_model(torch.float32, seed=3), stage)
-    load_sharded_checkpoint(Path(root) / "zero", plain)
-    hits = _hashed_ahead(spare=True)
+    plain = _plain_load(root, stage)
     zero = _zero(make_model(torch.float32, seed=3), stage)
-    with start_verification(root) as pending:
+    with _hashed_ahead(spare=True) as hits, start_verification(root) as pending:
         load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
-    got, expected = _state(zero), _state(plain)
-    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
-    for p, q in zip(zero.module.parameters(), plain.module.parameters()):
-        assert torch.equal(p, q)
+    _assert_loaded_alike(zero, plain)
     return bool(hits) and all(hits)
 
 
@@ -106,7 +125,6 @@ def _unfit_body(rank: int, world_size: int, *, root: str, copying_rank: int) -> 
     from ds_zero import CheckpointError, load_sharded_checkpoint, start_verification
     from ds_zero._manifest import ShardReader
 
-    _hashed_ahead(spare=rank == copying_rank)
     failed = []
     lookup = ShardReader.lookup
 
@@ -117,17 +135,19 @@ def _unfit_body(rank: int, world_size: int, *, root: str, copying_rank: int) -> 
             failed.append(name)
             raise
 
-    ShardReader.lookup = recording
     model = make_model(torch.float32, seed=3)
     model.extra = torch.nn.Parameter(torch.zeros(40))
     zero = _zero(model, 2)
     before = _state(zero)
-    with start_verification(root) as pending:
-        try:
+    ShardReader.lookup = recording
+    try:
+        with _hashed_ahead(spare=rank == copying_rank), start_verification(root) as pending:
             load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
-        except CheckpointError as exc:
-            assert all(torch.equal(a, b) for a, b in zip(_state(zero), before))
-            return bool(failed), str(exc)
+    except CheckpointError as exc:
+        assert all(torch.equal(a, b) for a, b in zip(_state(zero), before))
+        return bool(failed), str(exc)
+    finally:
+        ShardReader.lookup = lookup
     return bool(failed), "loaded"
 
 
@@ -184,9 +204,7 @@ def _into_body(rank: int, world_size: int, *, root: str, stage: int) -> list[boo
     values, and each elementwise state of each master is the very buffer the threads wrote."""
     from ds_zero import load_sharded_checkpoint, start_verification
 
-    plain = _zero(make_model(torch.float32, seed=3), stage)
-    load_sharded_checkpoint(Path(root) / "zero", plain)
-    _hashed_ahead(spare=True)
+    plain = _plain_load(root, stage)
     zero = _zero(make_model(torch.float32, seed=3), stage)
     places = zero.shard_destinations(Path(root) / "zero")
     assert places, "the checkpoint was saved on this world size: every range is one piece"
@@ -197,13 +215,10 @@ def _into_body(rank: int, world_size: int, *, root: str, stage: int) -> list[boo
         for key, t in tensors.items()
         if not key.endswith("/param")
     }
-    with start_verification(root, into=into) as pending:
+    with _hashed_ahead(spare=True), start_verification(root, into=into) as pending:
         assert all(pending.copying_into(Path(root) / name) for name in into)
         load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
-    got, expected = _state(zero), _state(plain)
-    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
-    for p, q in zip(zero.module.parameters(), plain.module.parameters()):
-        assert torch.equal(p, q)
+    _assert_loaded_alike(zero, plain)
     held = [
         value.untyped_storage().data_ptr() in written
         for master in zero.masters
@@ -231,17 +246,16 @@ def test_the_pieces_are_copied_into_the_optimizers_buffers_as_hashed(
 def _into_refused_body(rank: int, world_size: int, *, root: str) -> str:
     from ds_zero import CheckpointError, load_sharded_checkpoint, start_verification
 
-    _hashed_ahead(spare=True)
     zero = _zero(make_model(torch.float32, seed=3), 2)
     before = _state(zero)
     into = {f"zero/{f}": t for f, t in zero.shard_destinations(Path(root) / "zero").items()}
-    with start_verification(root, into=into) as pending:
-        try:
+    try:
+        with _hashed_ahead(spare=True), start_verification(root, into=into) as pending:
             load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
-        except CheckpointError as exc:
-            assert all(torch.equal(a, b) for a, b in zip(_state(zero), before))
-            assert zero.layout._load_buffers is None
-            return str(exc)
+    except CheckpointError as exc:
+        assert all(torch.equal(a, b) for a, b in zip(_state(zero), before))
+        assert zero.layout._load_buffers is None
+        return str(exc)
     return "loaded"
 
 
