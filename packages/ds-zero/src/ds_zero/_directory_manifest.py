@@ -37,20 +37,19 @@ def share(files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> list
     to rank r, which reads it when loading on the world size that saved it (and copies it as
     it hashes it, see ds-zero's [Note: reading the copies after the verdict]); then the others,
     the biggest first, each to the least-loaded rank."""
+    order = sorted(files, key=lambda n: (-int(files[n]["bytes"]), n))
     load = [0] * world
     owners = {}
-    for name in files:
+    for name in order:
         match = _SHARD_FILE.fullmatch(name)
         if match is not None and int(match.group(1)) < world:
             owners[name] = int(match.group(1))
             load[owners[name]] += int(files[name]["bytes"]) + 1
-    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
+    for name in order:
         if name not in owners:
             owners[name] = min(range(world), key=lambda r: (load[r], r))
             load[owners[name]] += int(files[name]["bytes"]) + 1
-    return [
-        n for n in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)) if owners[n] == rank
-    ]
+    return [name for name in order if owners[name] == rank]
 
 
 def verify_files(

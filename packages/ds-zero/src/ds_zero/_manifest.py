@@ -156,6 +156,19 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     )
 
 
+def shard_destinations(
+    folder: str | os.PathLike[str], layout: Any
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``layout.shard_destinations`` of the checkpoint in ``folder`` (ds-zero's [Note: copying the
+    pieces into the optimizer's buffers]); nothing where its manifest cannot be read (the load's
+    verification says why)."""
+    try:
+        manifest = read_manifest(Path(folder))
+    except CheckpointError:
+        return {}
+    return layout.shard_destinations(manifest)
+
+
 # --- verifying -----------------------------------------------------------------------------------
 
 

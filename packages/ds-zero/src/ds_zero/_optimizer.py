@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from ds_zero._core import GradientCore
 from ds_zero._flat_layout import FlatLayout
 from ds_zero._layout import FlatGroup
-from ds_zero._manifest import CheckpointError, read_manifest
+from ds_zero._manifest import shard_destinations
 from ds_zero._param_access import register_param_owner
 from ds_zero._residency import WholeResidency
 from ds_zero._setup import check_step_options
@@ -196,11 +195,7 @@ class ZeroOptimizer(GradientCore):
         pieces into the optimizer's buffers]). Empty where the checkpoint's pieces are not
         exactly this rank's ranges (another world size or layout), or its manifest cannot be
         read (the load's verification says why)."""
-        try:
-            manifest = read_manifest(Path(folder))
-        except CheckpointError:
-            return {}
-        return self.layout.shard_destinations(manifest)
+        return shard_destinations(folder, self.layout)
 
     def load_checkpoint_shards(self, lookup: ShardLookup) -> None:
         """Fill this rank's masters, optimizer state and parameters from ``lookup`` (a

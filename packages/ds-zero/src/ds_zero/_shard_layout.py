@@ -81,7 +81,13 @@ from ds_zero._partitioned import shard_bounds
 from ds_zero._residency import PartitionedResidency
 from ds_zero._setup import dist_rank, trainable_groups
 from ds_zero._shard_reduce import ShardGradReducer, Slot
-from ds_zero._shards import ShardLookup, TensorShard, read_then_settle, staged_pieces
+from ds_zero._shards import (
+    ShardLookup,
+    TensorShard,
+    read_then_settle,
+    staged_pieces,
+    write_range,
+)
 from ds_zero._step_slices import step_in_slices
 from ds_zero._streams import CollectiveQueue
 from ds_zero._zeropp import quantized_reduce_scatter
@@ -545,9 +551,7 @@ class ShardLayout:
                             if target is None:
                                 target = torch.zeros_like(master)
                             states[slot.index][key] = target
-                        place = target.narrow(0, slot.offset, n)
-                        if place.data_ptr() != value.data_ptr():  # else copied there as hashed
-                            place.copy_(value)
+                        write_range(target, slot.offset, value)
         return writes, states
 
     # --- memory ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ShardLookup", "TensorShard", "read_then_settle", "staged_pieces"]
+__all__ = ["ShardLookup", "TensorShard", "read_then_settle", "staged_pieces", "write_range"]
 
 _Read = TypeVar("_Read")
 
@@ -106,3 +106,11 @@ def staged_pieces(
                 buffers[value] = torch.zeros_like(masters[index])
             into.setdefault(file, {})[f"{key}/{value}"] = buffers[value].narrow(0, at, stop - start)
     return into, staged
+
+
+def write_range(buffer: torch.Tensor, at: int, values: torch.Tensor) -> None:
+    """``values`` into ``buffer`` from element ``at``, unless they are that memory already (a
+    piece the checksum threads copied there as they hashed it, see :func:`staged_pieces`)."""
+    place = buffer.narrow(0, at, values.numel())
+    if place.data_ptr() != values.data_ptr():
+        place.copy_(values)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ds_zero._core import GradientCore
-from ds_zero._manifest import CheckpointError, read_manifest
+from ds_zero._manifest import shard_destinations
 from ds_zero._mics import MicsGroups
 from ds_zero._param_access import register_param_owner
 from ds_zero._partitioned import ParamPartitioner
@@ -225,11 +224,7 @@ class Stage3Optimizer(GradientCore):
         """As :meth:`ZeroOptimizer.shard_destinations <ds_zero.ZeroOptimizer.shard_destinations>`:
         where a full load may copy this rank's pieces as they are hashed (empty where they are
         not exactly this rank's ranges, or the manifest cannot be read)."""
-        try:
-            manifest = read_manifest(Path(folder))
-        except CheckpointError:
-            return {}
-        return self.layout.shard_destinations(manifest)
+        return shard_destinations(folder, self.layout)
 
     def load_checkpoint_shards(self, lookup: ShardLookup) -> None:
         """Fill this rank's masters, elementwise optimizer state and parameter shards from

@@ -43,7 +43,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_zero._manifest import CheckpointError
-from ds_zero._shards import ShardLookup, TensorShard, read_then_settle, staged_pieces
+from ds_zero._shards import (
+    ShardLookup,
+    TensorShard,
+    read_then_settle,
+    staged_pieces,
+    write_range,
+)
 
 if TYPE_CHECKING:
     from ds_zero._flat_layout import FlatLayout
@@ -234,9 +240,7 @@ def _read_shards(
             for key in found:
                 if key not in state:  # one buffer per value, not one per range
                     state[key] = given[key] if key in given else torch.zeros_like(master)
-                target = state[key].narrow(0, at, stop - start)
-                if target.data_ptr() != values[key].data_ptr():  # else copied there as hashed
-                    target.copy_(values[key])
+                write_range(state[key], at, values[key])
         masters.append(loaded)
         states.append(state)
     frozen = []
