@@ -264,6 +264,22 @@ def test_unreadable_checkpoint_files_are_named_by_load_file(tmp_path: Path) -> N
 # --- every load path, on two ranks -----------------------------------------------------------------
 
 
+@contextmanager
+def _local_world(processes: str) -> Iterator[None]:
+    """``LOCAL_WORLD_SIZE`` set to ``processes`` (the processes said to share this machine's
+    cores, which decides whether a core is spare for the checksum threads) for the block only:
+    the harness reuses its rank processes."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = processes
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
 def _load_paths_body(rank: int, world_size: int, *, root: str, local_world: str) -> list[str]:
     """Each load path on a checkpoint whose rank-1 rng file and model file are corrupted: every
     rank raises the same error (none hangs), naming the file, before any value is used.
@@ -274,9 +290,7 @@ def _load_paths_body(rank: int, world_size: int, *, root: str, local_world: str)
     engine = _engine(seed=5)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     messages = []
-    saved_env = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = local_world
-    try:  # the harness reuses its rank processes: the setting must not outlive this body
+    with _local_world(local_world):
         for kwargs in (
             {},
             {"load_module_only": True},
@@ -292,11 +306,6 @@ def _load_paths_body(rank: int, world_size: int, *, root: str, local_world: str)
             for n, p in engine.module.named_parameters():
                 assert torch.equal(p, before[n]), f"{n} changed before the check refused"
             assert engine.global_steps == 0
-    finally:
-        if saved_env is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved_env
     return messages
 
 
@@ -345,9 +354,8 @@ def _overwritten_weight_body(rank: int, world_size: int, *, root: str, clean: st
     masters = [m.detach().clone() for m in engine.optimizer.masters]
     fresh = _engine(seed=7)
     before = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
-    os.environ["LOCAL_WORLD_SIZE"] = "1024"
     results = []
-    try:
+    with _local_world("1024"):
         for kwargs in ({}, {"load_optimizer_states": False}):
             try:
                 fresh.load_checkpoint(root, tag=TAG, **kwargs)
@@ -361,8 +369,6 @@ def _overwritten_weight_body(rank: int, world_size: int, *, root: str, clean: st
                 assert torch.equal(p, expected[n]), n
             assert all(torch.equal(a, b) for a, b in zip(fresh.optimizer.masters, masters))
             before = expected  # what a refused load after this one must leave
-    finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
     return results
 
 
