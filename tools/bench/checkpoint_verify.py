@@ -176,6 +176,8 @@ _PHASES = (
     ("ds_zero._integrity", "PendingVerification.verified_object"),
     ("ds_zero._integrity", "PendingVerification.close"),
     ("ds_engine._checkpoint", "_load_module"),
+    ("ds_engine._checkpoint", "_fp32_masters"),
+    ("ds_engine._checkpoint", "_load_weights_from_shards"),
     ("ds_zero._optimizer", "ZeroOptimizer.refresh_fp32_params"),
 )
 # The checksum functions, run on the hashing threads: their time is summed over the threads

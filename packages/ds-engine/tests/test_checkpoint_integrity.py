@@ -640,10 +640,11 @@ def _hash_ahead_load_body(
     replace: str | None = None,
 ) -> list[str]:
     """:func:`_stage3_load_body` with the spare core and the page cache's answer forced (shard
-    files hashed from the disk as the check starts, or from the loader's tensors).
-    ``replace``: once the shard file is hashed, and before the verdict, it is replaced by this
-    file. A shard file's gaps are never left for the verdict: it is mapped only when cached,
-    and then a thread hashes them."""
+    files hashed from the disk as the check starts, or from the loader's tensors: from a cold
+    disk, the full load's, whose pieces are copied into the optimizer's buffers as hashed, is
+    hashed ahead and the weights-only load's is not). ``replace``: once the shard file is
+    hashed, and before the verdict, it is replaced by this file. A shard file's gaps are never
+    left for the verdict: a thread hashes them once it is mapped."""
     from ds_zero import _integrity, _read_checks
 
     defer = _read_checks.HelpedPool.defer
@@ -679,7 +680,10 @@ def _hash_ahead_load_body(
         _integrity.spare_core, _integrity.in_page_cache = spare_core, in_page_cache
         _integrity.PendingVerification.wait = wait
         _read_checks.HelpedPool.defer = defer
-    assert hashed_ahead and set(hashed_ahead) == {spare and cached}, hashed_ahead
+    # per verdict, the full load's first (see ds-zero's [Note: hashing ahead of the loader])
+    full, *weights_only = hashed_ahead
+    assert full == (spare and (cached or _integrity.COPY_KERNEL)), hashed_ahead
+    assert weights_only and set(weights_only) == {spare and cached}, hashed_ahead
     assert Path(name).name not in deferred, deferred
     return results
 
@@ -692,7 +696,11 @@ def saved_stage3_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("spare", "cached"),
     [(True, True), (True, False), (False, True)],
-    ids=["hashed ahead", "cold: hashed as read", "no core to spare: hashed as read"],
+    ids=[
+        "hashed ahead",
+        "cold: full load copied ahead, weights only hashed as read",
+        "no core to spare: hashed as read",
+    ],
 )
 def test_a_shard_hashed_ahead_is_checked_as_one_hashed_as_read(
     saved_stage3_one_rank: Path, tmp_path: Path, spare: bool, cached: bool

@@ -56,10 +56,10 @@ def _state(zero) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _hashed_ahead(spare: bool) -> Iterator[list[bool]]:
-    """Force a core to spare (``spare``) and the files cached; record, per lookup of a range one
-    piece holds, whether it was a view of a verified copy. Undone on exit: the harness reuses
-    its rank processes."""
+def _hashed_ahead(spare: bool, cached: bool = True) -> Iterator[list[bool]]:
+    """Force a core to spare (``spare``) and the files in the page cache or not (``cached``);
+    record, per lookup of a range one piece holds, whether it was a view of a verified copy.
+    Undone on exit: the harness reuses its rank processes."""
     from ds_zero import _integrity, _manifest
 
     saved = (_integrity.spare_core, _integrity.in_page_cache, _manifest.ShardReader._copy)
@@ -72,7 +72,7 @@ def _hashed_ahead(spare: bool) -> Iterator[list[bool]]:
         return got
 
     _integrity.spare_core = lambda: spare
-    _integrity.in_page_cache = lambda path, offsets: True
+    _integrity.in_page_cache = lambda path, offsets: cached
     _manifest.ShardReader._copy = recording
     try:
         yield hits
@@ -96,12 +96,12 @@ def _assert_loaded_alike(zero, plain) -> None:
         assert torch.equal(p, q)
 
 
-def _load_body(rank: int, world_size: int, *, root: str, stage: int) -> bool:
+def _load_body(rank: int, world_size: int, *, root: str, stage: int, cached: bool = True) -> bool:
     from ds_zero import load_sharded_checkpoint, start_verification
 
     plain = _plain_load(root, stage)
     zero = _zero(make_model(torch.float32, seed=3), stage)
-    with _hashed_ahead(spare=True) as hits, start_verification(root) as pending:
+    with _hashed_ahead(True, cached) as hits, start_verification(root) as pending:
         load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
     _assert_loaded_alike(zero, plain)
     return bool(hits) and all(hits)
@@ -116,6 +116,17 @@ def test_a_full_load_reads_the_copies_after_the_verdict(
     run_on_ranks(_save, world_size, root=str(tmp_path), stage=stage, timeout=300)
     copied = run_on_ranks(_load_body, world_size, root=str(tmp_path), stage=stage, timeout=300)
     assert all(copied), copied  # every range read came from a verified copy
+
+
+@needs_copies
+def test_a_full_load_from_the_disk_without_buffers_reads_the_shard_file(tmp_path: Path) -> None:
+    """From a cold disk a shard file whose pieces have no buffers of the load's to go to is not
+    hashed ahead (its copies would be the check's, and hashing ahead raced the loader's reads
+    of the file; see [Note: hashing ahead of the loader]): the loader reads it, and the values
+    are the plain load's."""
+    run_on_ranks(_save, 1, root=str(tmp_path), stage=2, timeout=300)
+    (copied,) = run_on_ranks(_load_body, 1, root=str(tmp_path), stage=2, cached=False, timeout=300)
+    assert not copied
 
 
 def _unfit_body(rank: int, world_size: int, *, root: str, copying_rank: int) -> tuple[bool, str]:
@@ -198,7 +209,9 @@ def test_each_rank_checks_the_shard_file_it_reads_and_the_rest_is_balanced() -> 
     assert share(files, 0, 1) == sorted(files, key=lambda n: -files[n]["bytes"])
 
 
-def _into_body(rank: int, world_size: int, *, root: str, stage: int) -> list[bool]:
+def _into_body(
+    rank: int, world_size: int, *, root: str, stage: int, cached: bool = True
+) -> list[bool]:
     """A full load with the pieces copied, as hashed, into the optimizer's new buffers
     (``shard_destinations`` handed to ``start_verification(into=...)``): the plain load's
     values, and each elementwise state of each master is the very buffer the threads wrote."""
@@ -215,7 +228,7 @@ def _into_body(rank: int, world_size: int, *, root: str, stage: int) -> list[boo
         for key, t in tensors.items()
         if not key.endswith("/param")
     }
-    with _hashed_ahead(spare=True), start_verification(root, into=into) as pending:
+    with _hashed_ahead(True, cached), start_verification(root, into=into) as pending:
         assert all(pending.copying_into(Path(root) / name) for name in into)
         load_sharded_checkpoint(Path(root) / "zero", zero, verified=pending)
     _assert_loaded_alike(zero, plain)
@@ -230,16 +243,22 @@ def _into_body(rank: int, world_size: int, *, root: str, stage: int) -> list[boo
 
 
 @needs_copies
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    ("stage", "world_size", "cached"),
+    [(2, 1, True), (2, 2, True), (3, 1, True), (3, 2, True), (2, 2, False), (3, 2, False)],
+    ids=["2-1", "2-2", "3-1", "3-2", "2-2-cold", "3-2-cold"],
+)
 def test_the_pieces_are_copied_into_the_optimizers_buffers_as_hashed(
-    tmp_path: Path, stage: int, world_size: int
+    tmp_path: Path, stage: int, world_size: int, cached: bool
 ) -> None:
     """No copy of a range on the loading thread: the optimizer's state after the load is the
     memory the checksum threads copied the pieces into (ds-zero's [Note: copying the pieces
-    into the optimizer's buffers])."""
+    into the optimizer's buffers]), from a cold disk too (see [Note: hashing ahead of the
+    loader])."""
     run_on_ranks(_save, world_size, root=str(tmp_path), stage=stage, timeout=300)
-    held = run_on_ranks(_into_body, world_size, root=str(tmp_path), stage=stage, timeout=300)
+    held = run_on_ranks(
+        _into_body, world_size, root=str(tmp_path), stage=stage, cached=cached, timeout=300
+    )
     assert all(h and all(h) for h in held), held
 
 

@@ -206,22 +206,38 @@ def test_a_model_file_tensor_changed_before_it_is_copied_is_refused(
 
 
 @pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
-def test_a_model_file_on_the_disk_is_read_by_the_loader_not_copied(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
+def test_a_model_file_on_the_disk_is_copied_as_it_is_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool
 ) -> None:
-    """Not in the page cache: the loader's plain reads in order beat a mapping faulted in page
-    by page, so the file is hashed beside them and nothing is copied."""
-    from ds_zero import _integrity, start_verification
+    """Not in the page cache, the model file is copied as it is hashed too, so the disk is read
+    once, by the checksum threads, and the loader maps the file for its structure alone (see
+    [Note: copying the file the loader reads whole]): the values are the plain read's, taken
+    from the copies; a flipped byte in a tensor is refused, naming it."""
+    from ds_zero import CheckpointError, _integrity, start_verification
 
     monkeypatch.setattr(_integrity, "spare_core", lambda: True)
     monkeypatch.setattr(_integrity, "in_page_cache", lambda path, offsets: False)
     path = _model_file(tmp_path)
+    plain = torch.load(path, weights_only=True)
+    if damaged:
+        entries = json.loads((tmp_path / "ds_manifest.json").read_text())["files"][path.name]
+        data = bytearray(path.read_bytes())
+        data[int(entries["tensors"]["module/b"]["offset"]) + 2] ^= 0x10
+        path.write_bytes(bytes(data))
     with start_verification(tmp_path, values=("param",), loaded=(path.name,)) as pending:
-        assert not pending.copying(path)
-        assert path.name in pending._mapped  # still hashed from the disk, beside the read
-        state = torch.load(path, weights_only=True)
+        assert pending.copying(path)
+        mapped = torch.load(path, weights_only=True, mmap=True)
+        if damaged:
+            with pytest.raises(CheckpointError, match=r"model_states.pt corrupted.*module/b"):
+                pending.wait()
+            return
         pending.wait()
-        assert pending.verified_object(path, state) is state
+        got = pending.verified_object(path, mapped)
+        copy = pending.verified_copy(path, "module/w")
+        assert copy is not None and got["module"]["w"].data_ptr() == copy.data_ptr()
+    for name in ("w", "b", "empty", "t"):
+        assert torch.equal(got["module"][name], plain["module"][name])
 
 
 def test_a_file_hashed_from_the_loaders_read_is_not_copied(

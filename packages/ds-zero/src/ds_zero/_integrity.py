@@ -66,11 +66,20 @@ loader is still reading the model file and unpickling the shard's index, and the
 which has nothing to hide behind once the loader waits for the verdict, runs beside that. It
 is taken where a core is spare beside the loader's (the threads then do not compete with it);
 on a busy machine the loader's own tensors are hashed after its read, as before, which reads
-nothing twice. It is taken only for a file whose wanted bytes are in the page cache (eight
-tensors sampled with ``RWF_NOWAIT`` reads): from a cold disk the hashing thread, faulting the
-masters in page by page, competed for the disk with the loader's hundreds of small reads of
-the zip headers while it unpickles, and the load took 13-50% longer (eight runs); there the
-loader maps the file first and reads its masters ahead, as before. A file hashed from the disk
+nothing twice. From a cold disk (the wanted bytes not in the page cache: eight tensors sampled
+with ``RWF_NOWAIT`` reads) it is taken only where every wanted tensor is copied into the load's
+own buffers as it is hashed (a full load's pieces, ``start_verification(into=...)``): the
+loader then reads none of the tensors' bytes, so the threads' reads are the only ones, and
+the 10M-parameter full loads on the 2-core VM went from -1.5% (ZeRO-2) and +1.1% (ZeRO-3)
+to -14.5% and -11.8% against the unchecked load (``checkpoint_verify.py --cold``, medians of
+six processes each way in rotation; the loader's unpickling, now waiting behind the threads'
+reads, is slower, the load as a whole faster). Elsewhere the hashing thread would fault in the
+tensors beside the loader's own reads of them: that made a cold load 13-50% longer (eight
+runs). Copying a masters-only load's masters ahead from a cold disk (into the check's buffer,
+the loader then reading only the index) did not settle either way in rotation on the VM
+(+13.3% against -0.5% left to the loader, ten processes each; +7.8% against +15.0% in another
+eight); there the loader maps the file first and reads its masters ahead, as before. A file
+hashed from the disk
 is known by its device, inode, size and modification time: one replaced or rewritten before
 the verdict is checked again whole, and passes only if both the file hashed and the file there
 now pass, since the loader mapped one of them. ``start_verification(ahead=False)`` leaves the
@@ -79,10 +88,11 @@ states): hashing them could only be wasted work, which the verdict would wait fo
 
 A file the loader reads whole (the model file, ZeRO-1/2's weights), named in ``loaded`` and too
 big to hash on the starting thread, is hashed from the disk the same way, cold or warm, and
-copied out as hashed where it can be, so that the loader reads only its structure (see [Note:
-copying the file the loader reads whole]); where it is not copied, the loader reads it in
-order (``torch.load`` without a mapping): there the mapping's faults are a second
-stream of reads beside the loader's, not scattered ones. Reading a 400 MB model file from a
+copied out as hashed where it can be (ds-native's kernel, the copy budget), cold or warm, so
+that the loader reads only its structure (see [Note: copying the file the loader reads
+whole]); where it is not copied, the loader reads it in order (``torch.load`` without a
+mapping): there the mapping's faults are a second stream of reads beside the loader's, not
+scattered ones. Reading a 400 MB model file from a
 cold disk on the 2-core VM took 0.466 s with it, 0.523 s alone (16 rounds in random order);
 25 jobs of one 16 MiB chunk each gave 0.497 s, and a thread trailing the loader (each chunk
 hashed once cached) 0.508 s. Its gaps (the pickle and the zip headers) are hashed on a thread
@@ -317,7 +327,7 @@ class PendingVerification:
                 if not (shard and spare and ahead and self._hash_from_file(name, files[name])):
                     self._deferred.append(name)
             elif overlap and name in loaded and fusable(files[name]):
-                # Read whole and in order by the loader: hashed from the disk at once, warm or
+                # Read whole by the loader: hashed (and copied) from the disk at once, warm or
                 # cold (see [Note: hashing ahead of the loader]).
                 self._hash_from_file(name, files[name], if_cached=False, gaps_now=cold is False)
             else:
@@ -388,12 +398,13 @@ class PendingVerification:
         and the bytes between them: the check :meth:`hash_loaded` makes from the loader's
         tensors, started before the loader reads the file (see [Note: hashing ahead of the
         loader]). ``if_cached`` (a shard file, which the loader maps): False, and nothing
-        started, when those tensors are not in the page cache (eight sampled): from a cold
-        disk, hashing them ahead would compete for the disk with the loader's many small reads
-        of the file's headers. ``gaps_now``: the checkpoint is known to be in the page cache,
-        so the bytes between the tensors are hashed on a thread too, as for ``if_cached``. The
-        file is mapped here, so each job is one native call; the mapping keeps the file's
-        identity, so a file replaced meanwhile is not passed."""
+        started, when those tensors are not in the page cache (eight sampled) and are not all
+        copied into the load's own buffers (``start_verification(into=...)``): from a cold
+        disk, hashing them ahead would compete for the disk with the loader's reads of the
+        file. ``gaps_now``: the checkpoint is known to be in the page cache, so the bytes
+        between the tensors are hashed on a thread too, as for ``if_cached``. The file is
+        mapped here, so each job is one native call; the mapping keeps the file's identity, so
+        a file replaced meanwhile is not passed."""
         path = self.directory / name
         entries = record["tensors"]
         order = sorted(
@@ -402,18 +413,22 @@ class PendingVerification:
         )
         sampled = [n for n in order[:: max(1, len(order) // 8)] if int(entries[n]["nbytes"])]
         cached = in_page_cache(path, [int(entries[n]["offset"]) for n in sampled])
-        if if_cached and not cached:
+        cold_shard = if_cached and not cached  # hashed ahead only into the load's buffers
+        if cold_shard and name not in self._into:
             return False
         try:
             mapped = MappedFile(path)
         except (OSError, ValueError):
             self._jobs[name] = None  # absent or unreadable: file_problem says which at wait()
             return True
+        copies = self._copy_target(name, entries, order, into_only=cold_shard)
+        if cold_shard and copies is None:
+            mapped.close()
+            return False
         assert self._pool is not None
         self._mapped[name] = mapped
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
-        copies = self._copy_target(name, entries, order) if cached else None
         # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
         runs = ahead_jobs(spans, self._threads, copying=copies is not None)
         if copies is None:
@@ -436,16 +451,22 @@ class PendingVerification:
         return True
 
     def _copy_target(
-        self, name: str, entries: Mapping[str, Mapping[str, Any]], order: Sequence[str]
+        self,
+        name: str,
+        entries: Mapping[str, Mapping[str, Any]],
+        order: Sequence[str],
+        into_only: bool = False,
     ) -> CopiedTensors | None:
-        """Where tensors ``order`` of file ``name`` (in the page cache) are copied while hashed,
-        or None (see [Note: copying while verifying]): a file the loader reads whole (the model
-        file, named in ``loaded``), and a masters-only load's shard files."""
+        """Where tensors ``order`` of file ``name`` are copied while hashed, or None (see [Note:
+        copying while verifying]): a file the loader reads whole (the model file, named in
+        ``loaded``), and a shard file; ``into_only``: only if every one of them goes into the
+        memory ``start_verification(into=...)`` named."""
         whole = name in self._read_whole
         if not COPY_KERNEL or not (whole or _is_shard_file(name)):
             return None
         budget = COPY_AHEAD_BYTES - sum(c.nbytes for c in self._copies.values())
-        return CopiedTensors.of(entries, order, into=self._into.get(name), budget=budget)
+        into = self._into.get(name)
+        return CopiedTensors.of(entries, order, into=into, budget=budget, into_only=into_only)
 
     def _wanted(self, name: str, record: Mapping[str, Any]) -> list[str]:
         """The tensors of file ``name`` this load uses (see [Note: a path verifies what it

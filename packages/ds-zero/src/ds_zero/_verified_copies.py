@@ -90,10 +90,15 @@ bytes that were checked, as for the masters: a model file rewritten in place aft
 is not read, where the mapping the loader holds would have shown the new bytes. The copies
 take the place of ``torch.load``'s memory (no more memory than before during the load) and
 count against :data:`COPY_AHEAD_BYTES`. A model file past it, or without the kernel, or on a
-machine with no core to spare (the file then hashed from the loader's tensors), or not in the
-page cache, is read as before: from a cold disk the loader's plain reads in order beat a
-mapping faulted in page by page (400 MB: 0.66 s against 1.4-1.6 s on the 2-core VM, see
-``docs/checkpoints.md``), and the checksum thread hashes beside them. ds-engine drops the
+machine with no core to spare (the file then hashed from the loader's tensors), is read as
+before. A model file on the disk (not in the page cache) is copied too. It was not, on the
+strength of a measurement that a mapping faulted in page by page read 400 MB in 1.4-1.6 s
+against ``torch.load``'s 0.66 s; but that mapping was faulted by Python code on the loading
+thread, and one native call sweeping the file in order is as fast as ``torch.load``'s reads
+(on the 2-core VM, cold, a 42 MB file: 38.8 ms against 38.9 ms; 400 MB: 278 ms against 315
+ms), whereas a thread hashing the file beside the loader's reads, the two contending for
+its pages, cost the cold 10M-parameter ZeRO-2 weights-only load about 10%; copied, that load
+is faster than unchecked (``docs/checkpoints.md``, eighteenth follow-up). ds-engine drops the
 module's state dict once it is loaded, so the buffer is kept for the next load unless
 something else (the client state) still views it.
 
@@ -288,6 +293,7 @@ class CopiedTensors:
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         budget: int = COPY_AHEAD_BYTES,
+        into_only: bool = False,
     ) -> CopiedTensors | None:
         """The copies of tensors ``order`` (in this order in the buffer, 64-byte aligned), or
         None when one of them has an unknown dtype or a shape whose elements times the dtype's
@@ -295,7 +301,8 @@ class CopiedTensors:
         so: nothing is copied), or when the buffer would pass ``budget`` bytes. ``into``: the
         tensors named there are copied into those tensors (contiguous, on the CPU, sharing no
         memory with each other) instead of the buffer, if every one of them is in ``order``
-        with its dtype and byte count; otherwise none is."""
+        with its dtype and byte count; otherwise none is. ``into_only``: None too unless every
+        tensor of ``order`` goes into ``into`` (no buffer)."""
         recorded = {}
         for name in order:
             entry = entries[name]
@@ -308,6 +315,8 @@ class CopiedTensors:
                 return None
             recorded[name] = (nbytes, dtype, shape)
         direct = into if into and _fitting(recorded, into) else {}
+        if into_only and any(name not in direct for name in recorded):
+            return None
         spots, end, total = {}, 0, 0
         targets: list[torch.Tensor] = []
         where: dict[int, int] = {}  # a storage's address: its destination
