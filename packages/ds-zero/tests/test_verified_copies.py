@@ -93,6 +93,30 @@ def test_the_tensors_come_from_the_copies_after_the_verdict(
 
 
 @pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
+def test_a_shard_file_on_the_disk_is_copied_once_the_loader_has_mapped_it(
+    checkpoint: Path, hashed_ahead: list[tuple[str, bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a cold disk a masters-only load's shard files are not hashed ahead; once the loader
+    has mapped each (its index read) the threads copy the masters out as they hash them, and
+    after the verdict every tensor comes from those copies (see [Note: hashing ahead of the
+    loader])."""
+    from ds_zero import _integrity, iter_fp32_tensors, start_verification
+
+    monkeypatch.setattr(_integrity, "in_page_cache", lambda path, offsets: False)
+    plain = dict(iter_fp32_tensors(checkpoint / "zero"))
+    with start_verification(checkpoint, values=("param",)) as pending:
+        assert not pending.copying(checkpoint / SHARD)  # left to the loader
+        tensors = iter_fp32_tensors(checkpoint / "zero", verified=pending)
+        assert pending.copying(checkpoint / SHARD)  # mapped by the loader: copied as hashed
+        pending.wait()
+        before = len(hashed_ahead)
+        got = dict(tensors)
+        assert hashed_ahead[before:] and all(copied for _, copied in hashed_ahead[before:])
+    assert got.keys() == plain.keys()
+    assert all(torch.equal(got[n], plain[n]) for n in plain)
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension: nothing copied")
 def test_a_range_one_piece_holds_is_a_view_of_the_copy(
     checkpoint: Path, hashed_ahead: list[tuple[str, bool]]
 ) -> None:

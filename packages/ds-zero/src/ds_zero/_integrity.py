@@ -69,22 +69,27 @@ on a busy machine the loader's own tensors are hashed after its read, as before,
 nothing twice. From a cold disk (the wanted bytes not in the page cache: eight tensors sampled
 with ``RWF_NOWAIT`` reads) it is taken only where every wanted tensor is copied into the load's
 own buffers as it is hashed (a full load's pieces, ``start_verification(into=...)``): the
-loader then reads none of the tensors' bytes, so the threads' reads are the only ones, and
-the 10M-parameter full loads on the 2-core VM went from -1.5% (ZeRO-2) and +1.1% (ZeRO-3)
-to -14.5% and -11.8% against the unchecked load (``checkpoint_verify.py --cold``, medians of
-six processes each way in rotation; the loader's unpickling, now waiting behind the threads'
+loader then reads none of the tensors' bytes, so the threads' reads are the only ones. The
+10M-parameter full loads on the 2-core VM went from -1.5% (ZeRO-2) and +1.1% (ZeRO-3) to
+-14.5% and -11.8% against the unchecked load (``checkpoint_verify.py --cold``, medians of six
+processes each way in rotation; the loader's unpickling, now waiting behind the threads'
 reads, is slower, the load as a whole faster). Elsewhere the hashing thread would fault in the
-tensors beside the loader's own reads of them: that made a cold load 13-50% longer (eight
-runs). Copying a masters-only load's masters ahead from a cold disk (into the check's buffer,
-the loader then reading only the index) did not settle either way in rotation on the VM
-(+13.3% against -0.5% left to the loader, ten processes each; +7.8% against +15.0% in another
-eight); there the loader maps the file first and reads its masters ahead, as before. A file
-hashed from the disk
-is known by its device, inode, size and modification time: one replaced or rewritten before
-the verdict is checked again whole, and passes only if both the file hashed and the file there
-now pass, since the loader mapped one of them. ``start_verification(ahead=False)`` leaves the
-shard files to a load that may not read them (a ZeRO-1/2 load without the optimizer's
-states): hashing them could only be wasted work, which the verdict would wait for.
+tensors beside the loader's own reads of them (a cold load took 13-50% longer, eight runs), or
+beside its unpickling of the index: a masters-only load's masters copied ahead from a cold
+disk into the check's buffer did not settle either way in rotation on the VM (+13.3% against
+-0.5% left to the loader, ten processes each; +7.8% against +15.0% in another eight). There
+the loader maps the file first and reads its masters ahead, as before; when it hands the
+mapped file over (:meth:`PendingVerification.hash_loaded`), its index read, the threads copy
+the wanted tensors out as they hash them, by their ranges, where they can (the copy kernel,
+the copy budget), instead of hashing the loader's mapped tensors in place, and the loader
+takes them from memory after the verdict, not from the file's mapping: the 10M-parameter
+ZeRO-3 weights-only load went from +2.1% to -4.0% (sixteen processes each way in rotation,
+cold). A file hashed from the disk is known by its device, inode, size and modification time:
+one replaced or rewritten before the verdict is checked again whole, and passes only if both
+the file hashed and the file there now pass, since the loader mapped one of them.
+``start_verification(ahead=False)`` leaves the shard files to a load that may not read them (a
+ZeRO-1/2 load without the optimizer's states): hashing them could only be wasted work, which
+the verdict would wait for.
 
 A file the loader reads whole (the model file, ZeRO-1/2's weights), named in ``loaded`` and too
 big to hash on the starting thread, is hashed from the disk the same way, cold or warm, and
@@ -268,6 +273,7 @@ class PendingVerification:
         # never hands them over), and those it handed over: per file, the loaded tensors'
         # names, their dtypes and shapes, their CRC-32 jobs and the gaps' CRC-32 job.
         self._deferred: list[str] = []
+        self._spare = False  # a core beside the loader's (see spare_core)
         # Small files hashed on the loading thread at the verdict (not before: a file the load
         # turns out not to read is dropped by skip() unhashed).
         self._here: list[str] = []
@@ -295,7 +301,7 @@ class PendingVerification:
         mine = sorted(share(files, self.rank, self.world), key=lambda n: int(files[n]["bytes"]))
         self._threads = _threads(reserve=1 if overlap else 0)
         self._pool = HelpedPool(self._threads)
-        spare = spare_core()
+        spare = self._spare = spare_core()
         after_read = set(loaded) if not spare else set()
         # Files hashed once the loader has them (or ahead of it, for a shard file).
         later = {
@@ -366,7 +372,10 @@ class PendingVerification:
     def hash_loaded(self, path: str | os.PathLike[str], obj: Any) -> None:
         """Check file ``path`` of the directory from what the loader read of it: ``obj``, the
         object ``torch.load`` returned (mapped or not), whose tensors are hashed in place on
-        the checksum threads (see [Note: verifying what the loader read]). Call it before the
+        the checksum threads (see [Note: verifying what the loader read]). A shard file left
+        for the loader (from a cold disk) on a process with a core to spare is instead copied
+        out as it is hashed, by its ranges in the manifest, where it can be: the loader has read
+        its index by now (see [Note: hashing ahead of the loader]). Call it before the
         :meth:`wait` whose verdict covers the values used; nothing happens for a file already
         being hashed, one whose manifest lacks the tensors' bindings, or after the verdict."""
         name = self._name(path)
@@ -375,6 +384,14 @@ class PendingVerification:
         record = self.manifest.get("files", {}).get(name)
         taken = (self._jobs, self._loaded, self._here)  # hashed, or to be, apart from this
         if record is None or not fusable(record) or any(name in t for t in taken):
+            return
+        if (
+            name in self._deferred
+            and self._spare
+            and _is_shard_file(name)
+            and self._hash_from_file(name, record, if_cached=False, gaps_now=True, copied=True)
+        ):  # copied as hashed: the loader has read the index (see [Note: hashing ahead of the loader])
+            self._deferred.remove(name)
             return
         wanted = set(self._wanted(name, record))
         found: list[tuple[str, torch.Tensor]] = []
@@ -392,7 +409,12 @@ class PendingVerification:
             self._deferred.remove(name)
 
     def _hash_from_file(
-        self, name: str, record: Mapping[str, Any], if_cached: bool = True, gaps_now: bool = False
+        self,
+        name: str,
+        record: Mapping[str, Any],
+        if_cached: bool = True,
+        gaps_now: bool = False,
+        copied: bool = False,
     ) -> bool:
         """Hash the tensors of file ``name`` that the load uses, by their ranges in the manifest,
         and the bytes between them: the check :meth:`hash_loaded` makes from the loader's
@@ -401,8 +423,9 @@ class PendingVerification:
         started, when those tensors are not in the page cache (eight sampled) and are not all
         copied into the load's own buffers (``start_verification(into=...)``): from a cold
         disk, hashing them ahead would compete for the disk with the loader's reads of the
-        file. ``gaps_now``: the checkpoint is known to be in the page cache, so the bytes
-        between the tensors are hashed on a thread too, as for ``if_cached``. The file is
+        file. ``gaps_now``: the bytes between the tensors are known to be in the page cache,
+        so they are hashed on a thread too, as for ``if_cached``. ``copied``: False, and
+        nothing started, unless the tensors are copied as they are hashed. The file is
         mapped here, so each job is one native call; the mapping keeps the file's identity, so
         a file replaced meanwhile is not passed."""
         path = self.directory / name
@@ -422,7 +445,7 @@ class PendingVerification:
             self._jobs[name] = None  # absent or unreadable: file_problem says which at wait()
             return True
         copies = self._copy_target(name, entries, order, into_only=cold_shard)
-        if cold_shard and copies is None:
+        if copies is None and (cold_shard or copied):
             mapped.close()
             return False
         assert self._pool is not None
