@@ -97,13 +97,12 @@ copied out as hashed where it can be (ds-native's kernel, the copy budget), cold
 that the loader reads only its structure (see [Note: copying the file the loader reads
 whole]); where it is not copied, the loader reads it in order (``torch.load`` without a
 mapping): there the mapping's faults are a second stream of reads beside the loader's, not
-scattered ones. Reading a 400 MB model file from a
-cold disk on the 2-core VM took 0.466 s with it, 0.523 s alone (16 rounds in random order);
-25 jobs of one 16 MiB chunk each gave 0.497 s, and a thread trailing the loader (each chunk
-hashed once cached) 0.508 s. Its gaps (the pickle and the zip headers) are hashed on a thread
-too when the checkpoint's small files are in the page cache (a page cache holds a checkpoint's
-files, or not, together), and otherwise at the verdict, once the loader's unpickling has read
-them.
+scattered ones. Reading a 400 MB model file from a cold disk on the 2-core VM took 0.466 s
+with it, 0.523 s alone (16 rounds in random order); 25 jobs of one 16 MiB chunk each gave
+0.497 s, and a thread trailing the loader (each chunk hashed once cached) 0.508 s. Its gaps
+(the pickle and the zip headers) are hashed on a thread too when the checkpoint's small files
+are in the page cache (a page cache holds a checkpoint's files, or not, together), and
+otherwise at the verdict, once the loader's unpickling has read them.
 """
 
 from __future__ import annotations
@@ -390,7 +389,7 @@ class PendingVerification:
             and self._spare
             and _is_shard_file(name)
             and self._hash_from_file(name, record, if_cached=False, gaps_now=True, copied=True)
-        ):  # copied as hashed: the loader has read the index (see [Note: hashing ahead of the loader])
+        ):  # copied as hashed, its index read (see [Note: hashing ahead of the loader])
             self._deferred.remove(name)
             return
         wanted = set(self._wanted(name, record))
