@@ -49,9 +49,10 @@ Each rank checks its own shard file (``share``), the one it reads when loading o
 size that saved it. Loaded on that world size, the pieces are copied straight into the
 optimizer's new buffers (``_zero_shards.py``'s [Note: copying the pieces into the optimizer's
 buffers]): no memory beyond the load's own, and no budget. Otherwise the copies are the
-check's own (up to ``COPY_AHEAD_BYTES`` a load, beside the state being assembled); past that
-budget, and from a cold disk, the file is hashed in place and read before the verdict, as
-before.
+check's own (up to ``COPY_AHEAD_BYTES`` a load, beside the state being assembled), made once
+the loader has mapped the file where it is not in the page cache (``_integrity.py``'s [Note:
+hashing ahead of the loader]); past that budget the file is hashed in place and read before
+the verdict, as before.
 
 Reading after the verdict moves a reading failure (a weight the checkpoint lacks: a model that
 does not fit) past the collective that told every rank of the others' failures. So a rank that

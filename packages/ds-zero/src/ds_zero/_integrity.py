@@ -433,9 +433,10 @@ class PendingVerification:
             self._wanted(name, record),
             key=lambda n: entries[n]["offset"],
         )
-        sampled = [n for n in order[:: max(1, len(order) // 8)] if int(entries[n]["nbytes"])]
-        cached = in_page_cache(path, [int(entries[n]["offset"]) for n in sampled])
-        cold_shard = if_cached and not cached  # hashed ahead only into the load's buffers
+        cold_shard = False  # hashed ahead only into the load's buffers (asked only if_cached)
+        if if_cached:
+            sampled = [n for n in order[:: max(1, len(order) // 8)] if int(entries[n]["nbytes"])]
+            cold_shard = not in_page_cache(path, [int(entries[n]["offset"]) for n in sampled])
         if cold_shard and name not in self._into:
             return False
         try:
@@ -459,9 +460,11 @@ class PendingVerification:
             self._copies[name] = copies
             jobs = [self._pool.submit(mapped.copy_crcs, r, copies.next_run(r)) for r in runs]
         # The bytes between the tensors (a few hundred small spans), through the mapping in one
-        # native call. A file whose tensors are in the page cache (``if_cached``) has them there
-        # too, as does one whose checkpoint's small files are (``gaps_now``: a page cache holds
-        # a checkpoint's files, or not, together): a thread hashes them after the tensors (at
+        # native call. A shard file hashed ahead (``if_cached``) has them in the page cache when
+        # its tensors are, and from a cold disk its copying jobs, queued before this one, read
+        # them in as they sweep the file; so does a file whose checkpoint's small files are
+        # cached (``gaps_now``: a page cache holds a checkpoint's files, or not, together), or
+        # whose index the loader has read: a thread hashes them after the tensors (at
         # the verdict, on the loading thread, they cost 0.15-0.3 ms of a 35 ms load on the
         # 2-core VM). Otherwise they are hashed at the verdict, on the loading thread: by then
         # the loader's unpickling has read them (the zip headers and the pickle) into the page
