@@ -655,11 +655,13 @@ def _hash_ahead_load_body(
     wait = _integrity.PendingVerification.wait
     spare_core, in_page_cache = _integrity.spare_core, _integrity.in_page_cache
     hashed_ahead: list[bool] = []
+    in_place: list[bool] = []  # hashed from the loader's mapped tensors (handed over, not mapped)
     name = "zero/zero_shards_rank00000.pt"
 
     def replacing_wait(self, problems=(), **kwargs):
         if self._verdict is None:
             hashed_ahead.append(name in self._mapped)
+            in_place.append(name in self._loaded and name not in self._mapped)
             if replace is not None:
                 for _, jobs, _, gaps in self._loaded.values():
                     for job in (*jobs, gaps):
@@ -679,12 +681,15 @@ def _hash_ahead_load_body(
         _integrity.PendingVerification.wait = wait
         _read_checks.HelpedPool.defer = defer
     # From a cold disk the full load's shard file (the first verdict) is copied ahead, into the
-    # optimizer's buffers, and the weights-only load's once the loader has mapped it, if that
-    # comes before the verdict (ds-zero's [Note: hashing ahead of the loader] and
-    # test_a_shard_file_on_the_disk_is_copied_once_the_loader_has_mapped_it).
-    assert hashed_ahead and hashed_ahead[0] == (spare and (cached or _integrity.COPY_KERNEL))
+    # optimizer's buffers, and the weights-only load's once the loader has mapped it: never
+    # hashed in place where it was handed over (ds-zero's [Note: hashing ahead of the loader]);
+    # a verdict that comes before the loader hands it over (a refusal) finds it in neither.
+    copying = spare and (cached or _integrity.COPY_KERNEL)
+    assert hashed_ahead and hashed_ahead[0] == copying, hashed_ahead
     if cached or not spare:  # every verdict's shard file hashed the same way
         assert set(hashed_ahead) == {spare and cached}, hashed_ahead
+    else:
+        assert not any(in_place) if copying else any(in_place), (hashed_ahead, in_place)
     assert Path(name).name not in deferred, deferred
     return results
 
