@@ -112,7 +112,16 @@ def test_the_mapped_baseline_maps_the_model_file_in_every_process() -> None:
 
 
 def test_first_loads_time_one_load_of_each_fresh_process() -> None:
-    out = _run("--stage", "3", "--no-optimizer-states", "--first-loads", "2")
+    proc = _bench("--stage", "3", "--no-optimizer-states", "--first-loads", "2", "--phases")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for i in (1, 2):  # each process's load, on stderr
+        for arm in ("without verify", "with verify"):
+            assert f"ZeRO-3 weights only, process {i} {arm}: " in proc.stderr, proc.stderr
+    # --phases: each phase's median over the processes of each arm
+    assert "ZeRO-3, weights only (load_optimizer_states=False), first loads" in out, out
+    phase = re.search(r"^\| start_verification \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
+    assert phase is not None and float(phase.group(2)) > 0, out
     assert "first load of a fresh process, 2 processes per arm" in out, out
     row = re.search(
         r"^\| ZeRO-3, weights only \(load_optimizer_states=False\) \| ([0-9.]+) \| ([0-9.]+) "
@@ -148,6 +157,7 @@ def test_options_that_cannot_apply_are_refused() -> None:
     for args, message in (
         (("--processes", "0"), "--processes 0: give 1 or more"),
         (("--processes", "2", "--phases"), "--phases times the loads of one process"),
+        (("--first-loads", "2", "--processes", "2"), "--first-loads times one warm load"),
         (("--first-loads", "2", "--cold"), "--first-loads times one warm load a process"),
     ):
         proc = _bench(*args)

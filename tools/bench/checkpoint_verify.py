@@ -47,7 +47,8 @@ missed or not settled by that many processes.
 ``--first-loads N`` times instead what a job pays once, at its start: the first load of a fresh
 process (nothing allocated or mapped before it, the page cache warm), in N processes per arm,
 the arms alternating; the overhead of each pair of processes (one of each arm, one after the
-other) gives the median and its 95% interval.
+other) gives the median and its 95% interval. Each process's load is also printed (stderr), and
+``--phases`` gives the median over each arm's processes of each phase.
 
 ``--phases``, and each process's line under ``--processes``, also give the median count of
 minor page faults a load takes in each arm (the whole process's): a load that writes into
@@ -461,10 +462,9 @@ def main() -> None:
         parser.error(f"--processes {args.processes}: give 1 or more")
     if args.phases and args.processes > 1:
         parser.error("--phases times the loads of one process: leave out --processes")
-    if args.first_loads and (args.phases or args.processes > 1 or args.cold):
+    if args.first_loads and (args.processes > 1 or args.cold):
         parser.error(
-            "--first-loads times one warm load a process: leave out --phases, "
-            "--processes and --cold"
+            "--first-loads times one warm load a process: leave out --processes and --cold"
         )
     if args.first_child:
         _first_child(args, *args.first_child)
@@ -535,13 +535,20 @@ def _first_child(args: argparse.Namespace, root: str, arm: str) -> None:
     for module in ("ds_engine._checkpoint", "ds_zero._checkpoint", "ds_zero._consolidate"):
         importlib.import_module(module)
     unverified = _unverified(args.mapped_baseline) if arm == "without verify" else None
-    with unverified or contextlib.nullcontext():
+    spans: dict[str, list[float]] = {}
+    with (
+        unverified or contextlib.nullcontext(),
+        _phase_timer(spans) if args.phases else contextlib.nullcontext(),
+    ):
+        faulted = _minor_faults()
         start = time.perf_counter()
         engine.load_checkpoint(
             root, tag="bench", load_optimizer_states=not args.no_optimizer_states
         )
         seconds = time.perf_counter() - start
-        print(json.dumps({"seconds": seconds, "baseline": _baseline(args)}))
+        faults = _minor_faults() - faulted
+    run = {"seconds": seconds, "faults": faults, "spans": spans, "baseline": _baseline(args)}
+    print(json.dumps(run))
 
 
 def _baseline(args: argparse.Namespace) -> str:
@@ -570,6 +577,7 @@ def _first_loads(args: argparse.Namespace) -> None:
     print("| setting | median without verify (s) | with verify (s) | median paired overhead |")
     print("|---|---|---|---|")
     lines = []
+    phases = []
     for stage, full in _settings(args):
         engine = _engine(args.params, args.width, stage)
         engine.backward(engine(torch.randn(2, args.width)).square().mean())
@@ -577,11 +585,14 @@ def _first_loads(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory() as root:
             engine.save_checkpoint(root, tag="bench")
             times: dict[str, list[float]] = {arm: [] for arm in _ARMS}
+            faults: dict[str, list[int]] = {arm: [] for arm in _ARMS}
+            spans: dict[str, dict[str, list[float]]] = {arm: {} for arm in _ARMS}
             for i in range(args.first_loads):
                 for arm in _ARMS[:: 1 if i % 2 == 0 else -1]:
                     child = [f"--stage={stage}", "--first-child", root, arm]
                     child += [] if full else ["--no-optimizer-states"]
                     child += ["--mapped-baseline"] if args.mapped_baseline else []
+                    child += ["--phases"] if args.phases else []
                     proc = subprocess.run(
                         [sys.executable, __file__, *argv, *child],
                         capture_output=True,
@@ -593,6 +604,17 @@ def _first_loads(args: argparse.Namespace) -> None:
                     child_run = json.loads(proc.stdout.strip().splitlines()[-1])
                     _same_baseline(args, child_run["baseline"], f"a {arm} first load")
                     times[arm].append(float(child_run["seconds"]))
+                    print(
+                        f"ZeRO-{stage} {'full' if full else 'weights only'}, process "
+                        f"{len(times[arm])} {arm}: {1e3 * times[arm][-1]:.1f} ms, "
+                        f"{child_run['faults']} minor faults",
+                        file=sys.stderr,
+                    )
+                    faults[arm].append(child_run["faults"])
+                    for label, seconds in child_run["spans"].items():
+                        # a phase this process did not run counts 0 (see _print_phases)
+                        missing = len(times[arm]) - 1 - len(spans[arm].get(label, []))
+                        spans[arm].setdefault(label, []).extend([0.0] * missing + seconds)
         what = "full load" if full else "weights only (load_optimizer_states=False)"
         pairs = [b / a - 1 for a, b in zip(times[_ARMS[0]], times[_ARMS[1]])]
         a, b = (statistics.median(times[arm]) for arm in _ARMS)
@@ -600,7 +622,13 @@ def _first_loads(args: argparse.Namespace) -> None:
             f"| ZeRO-{stage}, {what} | {a:.3f} | {b:.3f} | {100 * statistics.median(pairs):+.1f}% |"
         )
         lines.append(f"\nZeRO-{stage}, {what}: {_interval_line(pairs)}")
+        if args.phases:
+            median_faults = {arm: statistics.median(faults[arm]) for arm in _ARMS}
+            phases.append((f"ZeRO-{stage}, {what}", spans, times, median_faults))
     print("\n".join(lines))
+    for name, *table in phases:
+        print(f"\n{name}, first loads")
+        _print_phases(*table)
 
 
 def _interval_line(each: list[float]) -> str:

@@ -24,7 +24,7 @@ import copy
 import ctypes
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +33,7 @@ import torch
 from ds_zero._checksums import chunks, spans_crc
 from ds_zero._checksums import crc32 as _crc32
 from ds_zero._sealed import CheckpointError
+from ds_zero._workers import Workers
 
 __all__ = [
     "HelpedPool",
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 # The checksum threads of this process, by (process id, thread count); see HelpedPool.
-_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int], Workers] = {}
 
 _Item = TypeVar("_Item")
 _BATCH = 4 << 20  # bytes of tensors hashed per job (small: the waiting loader takes some)
@@ -303,12 +304,13 @@ class HelpedPool:
 
     def __init__(self, threads: int) -> None:
         # The threads outlive one verification: starting them cost about 2 ms a load, a
-        # tenth of a small weights-only load. Keyed by process too: a forked child gets
-        # its own threads.
+        # tenth of a small weights-only load; the first load does not wait for them to start
+        # either (see [Note: starting the checksum threads]). Keyed by process too: a forked
+        # child gets its own threads.
         key = (os.getpid(), threads)
         pool = _POOLS.get(key)
         if pool is None:
-            pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="ds-verify")
+            pool = _POOLS[key] = Workers(threads, "ds-verify")
         self._pool = pool
         # Each job's [fn, args]: the executor's queue holds the list, not the arguments, so a
         # job cancelled there (taken over, or dropped) lets go of them (the loader's tensors, a
