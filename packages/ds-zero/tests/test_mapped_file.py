@@ -185,6 +185,23 @@ def test_a_job_taken_over_or_dropped_lets_go_of_its_arguments_at_once() -> None:
     assert first.done()
 
 
+def test_a_job_taken_over_gives_its_result_each_time_it_is_asked() -> None:
+    """A job the waiting thread ran (its queued future cancelled) answers every ``result`` call,
+    as a future does: a verdict that asks for a file's checksums after a caller already did
+    got ``CancelledError`` (the flake of ds-engine's
+    ``test_a_shard_replaced_after_it_was_hashed_is_checked_again`` on a busy machine)."""
+    pool = HelpedPool(1)
+    busy, free = threading.Event(), threading.Event()
+    first = pool.submit(lambda: (busy.set(), free.wait(10)))  # the one thread is held
+    assert busy.wait(10)
+    queued = pool.submit(lambda: [7, 8])
+    assert pool.result(queued) == [7, 8]  # not started: taken over, run here
+    assert pool.result(queued) == [7, 8]
+    free.set()
+    assert first.result(timeout=10) == (None, True)
+    pool.shutdown()
+
+
 def test_copy_crcs_copies_each_span_into_its_destination(data_file: tuple[Path, bytes]) -> None:
     """Spans bound for two destinations: each copied where its destination's offsets say,
     and the CRC-32s in the order of the spans."""

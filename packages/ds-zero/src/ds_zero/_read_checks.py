@@ -359,7 +359,9 @@ class HelpedPool:
         """``job``'s result, wherever it ran (a deferred job nobody helped with runs now)."""
         if job not in self._taken and not job.running() and not job.done():
             self.help([job])
-        return self._taken.pop(job, job).result()
+        # get, not pop: asked again, a job taken over gives its result again (its own future
+        # is cancelled), as a Future's result does
+        return self._taken.get(job, job).result()
 
     def shutdown(self) -> None:
         """Drop the jobs no thread has started, wait for the started ones, and let go of the
