@@ -611,10 +611,12 @@ def _first_loads(args: argparse.Namespace) -> None:
                         file=sys.stderr,
                     )
                     faults[arm].append(child_run["faults"])
-                    for label, seconds in child_run["spans"].items():
-                        # a phase this process did not run counts 0 (see _print_phases)
-                        missing = len(times[arm]) - 1 - len(spans[arm].get(label, []))
-                        spans[arm].setdefault(label, []).extend([0.0] * missing + seconds)
+                    # one value a process per phase: 0 where this process, or an earlier one,
+                    # did not run it
+                    done = len(times[arm]) - 1
+                    for label in dict.fromkeys([*spans[arm], *child_run["spans"]]):
+                        spans[arm].setdefault(label, [0.0] * done)
+                        spans[arm][label] += child_run["spans"].get(label, [0.0])
         what = "full load" if full else "weights only (load_optimizer_states=False)"
         pairs = [b / a - 1 for a, b in zip(times[_ARMS[0]], times[_ARMS[1]])]
         a, b = (statistics.median(times[arm]) for arm in _ARMS)

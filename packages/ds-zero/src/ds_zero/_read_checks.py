@@ -312,7 +312,7 @@ class HelpedPool:
         if pool is None:
             pool = _POOLS[key] = Workers(threads, "ds-verify")
         self._pool = pool
-        # Each job's [fn, args]: the executor's queue holds the list, not the arguments, so a
+        # Each job's [fn, args]: the workers' queue holds the list, not the arguments, so a
         # job cancelled there (taken over, or dropped) lets go of them (the loader's tensors, a
         # copy buffer to keep) at once, not when a thread next takes it off the queue.
         self._specs: dict[Future[Any], list[Any]] = {}
