@@ -6,6 +6,11 @@ and in alternating order:
 
 * ``zlib.crc32`` of each span (the peer: what Python gives);
 * ``ds_native.crc32_spans``: the same CRC-32s in one native call;
+* the same with the code path named (``simd=``, the widest this CPU runs): what
+  ``crc32_copy_spans`` does for each 64 KiB block it hashes. Each call once asked the CPU (cpuid,
+  trapped by a virtual machine's hypervisor) whether it runs the path; the answer is now kept
+  ([Note: cpuid asked once] in kernels/ds-native/csrc/cpu_features.c), so this row and the one above
+  should be level;
 * a copy of each span into a tensor of its own (``torch.Tensor.copy_``), what a loader does;
 * ``ds_native.crc32_copy_spans``: the copies and the CRC-32s in one pass
   ([Note: copying while hashing] in kernels/ds-native/csrc/crc32.c);
@@ -64,9 +69,19 @@ def main() -> None:
         for (a, n), out in zip(spans, outs):
             out.copy_(source[a : a + n])
 
+    native = ds_native.native_available()
+    widest = next(
+        (p for p in ("vpclmul", "pclmul") if native and ds_native.crc32_simd_supported(p)), None
+    )
     contenders = {
         "zlib.crc32, each span": zlib_each,
         "ds_native.crc32_spans": lambda: ds_native.crc32_spans(data, spans),
+    }
+    if widest is not None:
+        contenders[f"ds_native.crc32_spans, simd={widest!r}"] = lambda: ds_native.crc32_spans(
+            data, spans, simd=widest
+        )
+    contenders |= {
         "copy (torch copy_)": copies,
         "ds_native.crc32_copy_spans": lambda: ds_native.crc32_copy_spans(data, spans, outs),
         "ds_native.crc32_copy_spans, one buffer (at=)": lambda: ds_native.crc32_copy_spans(

@@ -41,6 +41,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpuid_cache.h"
 #include "ds_native.h"
 #include "thread_pool.h"
 
@@ -563,8 +564,7 @@ TARGET_AVX512 static void adam_range_avx512(void *ctx, int64_t begin, int64_t en
 
 static int cpu_has_f16c(void)
 {
-    unsigned int eax, ebx, ecx, edx;
-    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+    return (ds_native_cpuid_ecx(1) & bit_F16C) != 0;
 }
 
 #endif /* DS_ADAM_X86 */

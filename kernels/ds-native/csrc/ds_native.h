@@ -63,7 +63,7 @@ void ds_native_stream_triad(int64_t n, float *a, const float *b, const float *c,
 
 /* crc32.c: zlib's crc32(value, data, n): CRC-32 (polynomial 0x04C11DB7, reflected) of n bytes
  * continuing from the CRC `value` (0 to start). simd picks the code path (AUTO: the widest this CPU
- * runs, vpclmul only from 4 MiB; a path the CPU cannot run also falls back to AUTO). See
+ * runs, vpclmul only from 4 KiB; a path the CPU cannot run also falls back to AUTO). See
  * [Note: CRC-32 folding] there.
  */
 enum ds_native_crc32_simd {

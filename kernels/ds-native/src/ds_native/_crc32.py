@@ -155,7 +155,7 @@ def native_code(simd: Crc32Simd | None) -> int | None:
 
 def default_crc32_simd() -> Crc32Simd | None:
     """The widest code path :func:`crc32` runs here by default (None without the C extension);
-    without a forced path, buffers under 4 MiB take ``"pclmul"`` instead of ``"vpclmul"``."""
+    without a forced path, buffers under 4 KiB take ``"pclmul"`` instead of ``"vpclmul"``."""
     lib = _ext.EXTENSION.lib
     if lib is None:
         return None
