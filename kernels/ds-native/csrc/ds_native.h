@@ -94,4 +94,15 @@ int ds_native_crc32_copy_spans(const void *src, size_t size, const uint64_t *sta
                                const uint64_t *lengths, size_t count, void *const *dsts, int simd,
                                uint32_t *out);
 
+/* crc32.c: ds_native_crc32_copy_spans shared among the threads that call it with the same
+ * arguments and cursor (*next, 0 to start): each caller copies and hashes the next span not yet
+ * taken until none is left (see [Note: spans shared among threads]). Returns -1 (nothing copied)
+ * when a span leaves `src`, else 0; out[i] is final once every caller has returned.
+ * ds_native_crc32_copy_stop(next, count) leaves the spans not yet taken uncopied.
+ */
+int ds_native_crc32_copy_spans_shared(const void *src, size_t size, const uint64_t *starts,
+                                      const uint64_t *lengths, size_t count, void *const *dsts,
+                                      int simd, uint32_t *out, uint64_t *next);
+void ds_native_crc32_copy_stop(uint64_t *next, size_t count);
+
 #endif /* DS_NATIVE_H */

@@ -7,6 +7,7 @@ import array
 import mmap
 import random
 import re
+import sys
 import threading
 import time
 import zlib
@@ -166,3 +167,82 @@ def test_the_gil_is_released_while_copying() -> None:
     ran = time.perf_counter()
     worker.join()
     assert ran < returned[0]
+
+
+def _native_or_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.param == "python":
+        monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(unavailable_reason="test"))
+    elif not ds_native.native_available():
+        pytest.skip("no C extension")
+
+
+native_or_python = pytest.fixture(params=["native", "python"])(_native_or_python)
+
+
+@pytest.mark.usefixtures("native_or_python")
+def test_a_job_run_by_several_threads_copies_each_span_once_with_its_crc() -> None:
+    """Four threads and the caller run one job: every span lands at its offset with zlib's
+    CRC-32, whoever took it; a run after the others have taken every span returns at once."""
+    data = random.Random(21).randbytes(3_000_000)
+    spans = [(i * 29_989, 29_989 + i % 7) for i in range(90)]
+    places = [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+    out = torch.zeros(sum(n for _, n in spans), dtype=torch.uint8)
+    with ds_native.Crc32CopyJob(data, spans, out, at=places) as job:
+        helpers = [threading.Thread(target=job.run) for _ in range(4)]
+        for helper in helpers:
+            helper.start()
+        job.run()
+        for helper in helpers:
+            helper.join()
+        job.run()  # nothing left
+        crcs = job.crcs()
+    assert crcs == _crcs(data, spans)
+    assert _bytes(out) == b"".join(data[a : a + n] for a, n in spans)
+    assert job.crcs() == crcs  # still answers once closed
+
+
+@pytest.mark.usefixtures("native_or_python")
+def test_a_stopped_job_leaves_the_spans_not_yet_taken_uncopied() -> None:
+    data = random.Random(22).randbytes(1000)
+    outs = [bytearray(10) for _ in range(3)]
+    with ds_native.Crc32CopyJob(data, [(0, 10), (10, 10), (20, 10)], outs) as job:
+        job.stop()
+        job.run()
+        assert job.crcs() == [0, 0, 0]
+    assert outs == [bytearray(10)] * 3
+
+
+def test_a_job_checks_its_arguments_as_crc32_copy_spans_does() -> None:
+    with pytest.raises(ValueError, match=r"span \(start, length\) \(2, 5\) leaves the 3-byte"):
+        ds_native.Crc32CopyJob(b"abc", [(0, 1), (2, 5)], [bytearray(1), bytearray(5)])
+    with pytest.raises(ValueError, match="2 spans but 1 offsets in at"):
+        ds_native.Crc32CopyJob(b"abc", [(0, 1), (1, 1)], bytearray(2), at=[0])
+
+
+@pytest.mark.skipif(not ds_native.native_available(), reason="no C extension")
+def test_a_job_takes_the_gil_back_only_when_no_span_is_left() -> None:
+    """The thread that runs a job takes the GIL back once, at its end: another thread that
+    holds the GIL meanwhile (a loader unpickling) does not stop it between spans. Here the main
+    thread holds the GIL in a busy Python loop until the job's spans are all copied (it reads
+    the copies' last byte, which the GIL-free run writes); if the run needed the GIL between
+    spans, it would stall until the loop's switch interval ran out (a loop of one-span calls
+    does: checked)."""
+    spans = [(i << 20, 1 << 20) for i in range(64)]
+    data = bytes([1]) * (64 << 20)
+    out = torch.zeros(64 << 20, dtype=torch.uint8)
+    last = out.numpy()  # read without torch, whose calls release the GIL
+    places = [a for a, _ in spans]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # the GIL changes hands only when its holder gives it up
+    try:
+        with ds_native.Crc32CopyJob(data, spans, out, at=places) as job:
+            helper = threading.Thread(target=job.run)
+            helper.start()
+            deadline = time.perf_counter() + 5.0
+            while last[-1] == 0 and time.perf_counter() < deadline:
+                pass  # holds the GIL: no switch for 10 s
+            copied = bool(last[-1] == 1)
+            helper.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert copied

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ds_native._adam import adam_step, adam_step_reference
 from ds_native._axpy import axpy, axpy_reference
 from ds_native._crc32 import crc32, crc32_simd_supported, crc32_spans
-from ds_native._crc32_copy import crc32_copy_spans
+from ds_native._crc32_copy import Crc32CopyJob, crc32_copy_spans
 from ds_native._ext import build_info, native_available, simd_level
 from ds_native._stream import (
     stream_adam_traffic,
@@ -41,6 +41,7 @@ __all__ = [
     "stream_adam_traffic_reference",
     # checksums (zlib's CRC-32, same values)
     "crc32",
+    "Crc32CopyJob",
     "crc32_copy_spans",
     "crc32_simd_supported",
     "crc32_spans",

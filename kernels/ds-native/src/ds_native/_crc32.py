@@ -110,8 +110,8 @@ def native_span_crcs(
     kernel: Any, view: memoryview, starts: list[int], lengths: list[int], *args: Any
 ) -> list[int]:
     """Run a C kernel over spans of ``view`` (checked by :func:`checked_spans`):
-    ``kernel(source, size, starts, lengths, count, *args, crcs)``, the one calling convention of
-    ``ds_native_crc32_spans`` and ``ds_native_crc32_copy_spans``; the CRC-32 it wrote per span."""
+    ``kernel(source, size, starts, lengths, count, *args, crcs)`` (``ds_native_crc32_spans``'s
+    calling convention); the CRC-32 it wrote per span."""
     ffi = _ext.EXTENSION.ffi
     count = len(starts)
     crcs = ffi.new("uint32_t[]", count)

@@ -8,6 +8,7 @@ they verify them, so the loader neither reads those bytes a second time nor copi
 from __future__ import annotations
 
 import contextlib
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ds_native import _ext
-from ds_native._crc32 import checked_spans, native_code, native_span_crcs
+from ds_native._crc32 import checked_spans, native_code
 from ds_native.api import Crc32Simd
 
 if TYPE_CHECKING:
@@ -66,47 +67,141 @@ def crc32_copy_spans(
         >>> ds_native.crc32_copy_spans(b"hello world", [(0, 5), (6, 5)], bytearray(10), at=[5, 0])
         [907060870, 980881731]
     """
-    each = cast("Sequence[Buffer | torch.Tensor]", outs) if at is None else None
-    if each is not None and len(each) != len(spans):
-        raise ValueError(
-            f"crc32_copy_spans: {len(spans)} spans but {len(each)} destinations; pass one each"
-        )
-    if at is not None and len(at) != len(spans):
-        raise ValueError(
-            f"crc32_copy_spans: {len(spans)} spans but {len(at)} offsets in at; pass one each"
-        )
-    with contextlib.ExitStack() as stack:
-        view = stack.enter_context(memoryview(data).cast("B"))
-        starts, lengths = checked_spans("crc32_copy_spans", spans, view.nbytes)
-        if each is not None:
-            targets = [
-                stack.enter_context(_Destination(out, n, i))
-                for i, (out, n) in enumerate(zip(each, lengths))
-            ]
-            places = [0] * len(spans)
-        else:
-            one = stack.enter_context(_Destination(cast("Buffer | torch.Tensor", outs), 0, 0))
-            places = [int(a) for a in at or ()]
-            _check_places(places, lengths, one.capacity)
-            targets = [one] * len(spans)
-        code = native_code(simd)
-        if not spans:
-            return []
-        if code is None:
-            crcs = []
-            for a, n, target, place in zip(starts, lengths, targets, places):
-                target.write(view[a : a + n], place)
-                crcs.append(zlib.crc32(view[a : a + n]))
-            return crcs
-        ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
-        if each is not None:
-            addresses = [target.pointer(ffi, stack) for target in targets]
-        else:
-            base = ffi.cast("char *", targets[0].pointer(ffi, stack))
-            addresses = [base + place for place in places]
-        pointers = ffi.new("void *[]", addresses)
-        kernel = lib.ds_native_crc32_copy_spans
-        return native_span_crcs(kernel, view, starts, lengths, pointers, code)
+    with Crc32CopyJob(data, spans, outs, at=at, simd=simd) as job:
+        job.run()
+        return job.crcs()
+
+
+class Crc32CopyJob:
+    """:func:`crc32_copy_spans` as one job that any number of threads run together: each
+    :meth:`run` copies and hashes the spans no caller has taken yet, one after another, until
+    none is left, with the GIL released throughout (see [Note: spans shared among threads] in
+    ``csrc/crc32.c``). A thread can copy a file while the loader reads, and the loader take its
+    share of what is left once it is done, neither of them taking the GIL back between spans.
+    The arguments are those of :func:`crc32_copy_spans`, checked here (the same ValueErrors);
+    the buffers are held until :meth:`close`.
+
+    Example:
+        >>> with ds_native.Crc32CopyJob(data, spans, out, at=offsets) as job:
+        ...     helper = threading.Thread(target=job.run)
+        ...     helper.start()
+        ...     job.run()  # takes the spans the helper has not
+        ...     helper.join()
+        ...     crcs = job.crcs()
+    """
+
+    def __init__(
+        self,
+        data: Buffer,
+        spans: Sequence[tuple[int, int]],
+        outs: Sequence[Buffer | torch.Tensor] | Buffer | torch.Tensor,
+        *,
+        at: Sequence[int] | None = None,
+        simd: Crc32Simd | None = None,
+    ) -> None:
+        each = cast("Sequence[Buffer | torch.Tensor]", outs) if at is None else None
+        if each is not None and len(each) != len(spans):
+            raise ValueError(
+                f"crc32_copy_spans: {len(spans)} spans but {len(each)} destinations; pass one each"
+            )
+        if at is not None and len(at) != len(spans):
+            raise ValueError(
+                f"crc32_copy_spans: {len(spans)} spans but {len(at)} offsets in at; pass one each"
+            )
+        self._stack = stack = contextlib.ExitStack()
+        try:
+            view = stack.enter_context(memoryview(data).cast("B"))
+            starts, lengths = checked_spans("crc32_copy_spans", spans, view.nbytes)
+            if each is not None:
+                targets = [
+                    stack.enter_context(_Destination(out, n, i))
+                    for i, (out, n) in enumerate(zip(each, lengths))
+                ]
+                places = [0] * len(spans)
+            else:
+                one = stack.enter_context(_Destination(cast("Buffer | torch.Tensor", outs), 0, 0))
+                places = [int(a) for a in at or ()]
+                _check_places(places, lengths, one.capacity)
+                targets = [one] * len(spans)
+            self._count = len(spans)
+            self._native: tuple[Any, ...] | None = None
+            self._python: tuple[Any, ...] | None = None
+            code = native_code(simd)
+            if code is None or not spans:  # copied by Python, hashed by zlib
+                self._lock, self._next = threading.Lock(), 0
+                self._python = (view, starts, lengths, targets, places)
+                self._out: Any = [0] * len(spans)
+                return
+            ffi, lib = _ext.EXTENSION.ffi, _ext.EXTENSION.lib
+            if each is not None:
+                addresses = [target.pointer(ffi, stack) for target in targets]
+            else:
+                base = ffi.cast("char *", targets[0].pointer(ffi, stack))
+                addresses = [base + place for place in places]
+            self._cursor = ffi.new("uint64_t *")
+            self._out = ffi.new("uint32_t[]", len(spans))
+            self._native = (
+                lib.ds_native_crc32_copy_spans_shared,
+                stack.enter_context(ffi.from_buffer(view)),
+                view.nbytes,
+                ffi.new("uint64_t[]", starts),
+                ffi.new("uint64_t[]", lengths),
+                len(spans),
+                ffi.new("void *[]", addresses),
+                code,
+                self._out,
+                self._cursor,
+            )
+        except BaseException:
+            stack.close()
+            raise
+
+    def run(self) -> None:
+        """Copy and hash spans no caller has taken yet until none is left (the GIL released
+        throughout); from any number of threads at once."""
+        if self._native is not None:
+            kernel, *args = self._native
+            status = kernel(*args)
+            assert status == 0  # the spans were checked
+            return
+        if self._python is None:
+            raise RuntimeError("Crc32CopyJob.run() after close()")
+        view, starts, lengths, targets, places = self._python
+        while True:
+            with self._lock:
+                i, self._next = self._next, self._next + 1
+            if i >= self._count:
+                return
+            a, n = starts[i], lengths[i]
+            targets[i].write(view[a : a + n], places[i])
+            self._out[i] = zlib.crc32(view[a : a + n])
+
+    def stop(self) -> None:
+        """Leave the spans no caller has taken yet uncopied (their CRC-32s read 0): a
+        :meth:`run` under way returns after the span it is copying."""
+        if self._native is not None:
+            _ext.EXTENSION.lib.ds_native_crc32_copy_stop(self._cursor, self._count)
+        elif self._python is not None:
+            with self._lock:
+                self._next = self._count
+
+    def crcs(self) -> list[int]:
+        """The CRC-32 of each span as copied, ``zlib.crc32`` of its bytes; final once every
+        :meth:`run` has returned."""
+        return list(self._out)
+
+    def close(self) -> None:
+        """Let go of the buffers, once no :meth:`run` is under way (:meth:`crcs` still
+        answers)."""
+        self._out = list(self._out)
+        self._native = self._python = None
+        self._stack.close()
+
+    def __enter__(self) -> Crc32CopyJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _check_places(places: list[int], lengths: list[int], capacity: int) -> None:
