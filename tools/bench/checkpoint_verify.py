@@ -188,7 +188,7 @@ _HASHERS = (
     ("ds_zero._integrity", "tensor_crcs"),
     ("ds_zero._integrity", "spans_crc"),
     ("ds_zero._checksums", "MappedFile.crcs"),
-    ("ds_zero._checksums", "MappedFile.copy_crcs"),
+    ("ds_zero._checksums", "FileCopy.run"),
     ("ds_zero._checksums", "MappedFile.chain"),
 )
 

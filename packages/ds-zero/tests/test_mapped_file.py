@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ds_zero._checksums import MappedFile, _spans_each, in_page_cache, on_disk, spans_crc
-from ds_zero._read_checks import _AHEAD_COPY_JOB, _AHEAD_JOB, HelpedPool, ahead_jobs
+from ds_zero._read_checks import _AHEAD_JOB, HelpedPool, ahead_jobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ds_zero_testing import drop_cached_pages
@@ -138,21 +138,6 @@ def test_a_file_hashed_ahead_is_split_into_few_jobs() -> None:
     assert ahead_jobs([], threads=8) == []
 
 
-def test_a_file_copied_out_as_hashed_is_split_into_jobs_of_a_few_ms() -> None:
-    """Jobs that copy as they hash (about four times the work a byte) are of about
-    _AHEAD_COPY_JOB whatever the threads (the loader, waiting for them, takes some): 40 MiB
-    of masters is five jobs on an 8-thread host and on a 1-thread one, and every span is in
-    exactly one job, in order."""
-    mib = 1 << 20
-    small = [(i * 2 * mib, 2 * mib) for i in range(20)]  # 40 MiB in 2 MiB tensors
-    jobs = ahead_jobs(small, threads=8, copying=True)
-    assert len(jobs) == 40 * mib // _AHEAD_COPY_JOB == 5
-    assert [span for job in jobs for span in job] == small
-    assert all(sum(n for _, n in job) >= _AHEAD_COPY_JOB for job in jobs[:-1])
-    for threads in (1, 2, 16):
-        assert ahead_jobs(small, threads=threads, copying=True) == jobs
-
-
 def test_a_job_taken_over_or_dropped_lets_go_of_its_arguments_at_once() -> None:
     """A job still queued when the waiting thread takes it over (or the pool is shut down)
     holds its arguments no longer: a copy buffer they view can be kept for the next load
@@ -202,26 +187,112 @@ def test_a_job_taken_over_gives_its_result_each_time_it_is_asked() -> None:
     pool.shutdown()
 
 
-def test_copy_crcs_copies_each_span_into_its_destination(data_file: tuple[Path, bytes]) -> None:
+def _copy_kernel() -> None:
+    from ds_zero._checksums import COPY_KERNEL
+
+    if not COPY_KERNEL:
+        pytest.skip("ds-native's Crc32CopyJob is not built")
+
+
+def test_a_copy_job_copies_each_span_into_its_destination(data_file: tuple[Path, bytes]) -> None:
     """Spans bound for two destinations: each copied where its destination's offsets say,
     and the CRC-32s in the order of the spans."""
     import torch
 
-    from ds_zero._checksums import COPY_KERNEL
-
-    if not COPY_KERNEL:
-        pytest.skip("ds-native's crc32_copy_spans(at=...) is not built")
+    _copy_kernel()
     path, data = data_file
     spans = [(0, 100), (4096, 300), (70000, 64), (1 << 20, 4000)]
     first, second = torch.zeros(8192, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)
     places = [(first, [0, 2], [64, 1024]), (second, [1, 3], [0, 400])]
     with MappedFile(path) as mapped:
-        crcs = mapped.copy_crcs(spans, places)
-        assert crcs == [zlib.crc32(data[a : a + n]) for a, n in spans]
-        one = torch.zeros(100, dtype=torch.uint8)  # one destination: one call
-        assert mapped.copy_crcs(spans[:1], [(one, [0], [0])]) == crcs[:1]
-        assert bytes(one.tolist()) == data[:100]
+        job = mapped.copy_job(spans, places)
+        job.run()
+        assert job.crcs() == [zlib.crc32(data[a : a + n]) for a, n in spans]
     for out, indices, at in places:
         for i, offset in zip(indices, at):
             start, length = spans[i]
             assert bytes(out[offset : offset + length].tolist()) == data[start : start + length]
+
+
+@pytest.mark.parametrize("threads_run", [True, False])
+def test_a_shared_copy_is_finished_by_the_loader_whether_or_not_a_thread_ran(
+    data_file: tuple[Path, bytes], threads_run: bool
+) -> None:
+    """The loader asking for a copied file's CRC-32s copies what no thread has: all of it when
+    the thread never started (its job then cancelled), the rest when one is copying."""
+    import torch
+
+    from ds_zero._read_checks import shared_copy
+
+    _copy_kernel()
+    path, data = data_file
+    spans = [(i * 30_000, 30_000) for i in range(100)]
+    out = torch.zeros(3_000_000, dtype=torch.uint8)
+    pool = HelpedPool(threads=3)
+    if not threads_run:  # the threads are busy with a job that waits
+        free = threading.Event()
+        busy = [pool.submit(free.wait) for _ in range(3)]
+    with MappedFile(path) as mapped:
+        job = shared_copy(pool, mapped, spans, [(out, range(100), [a for a, _ in spans])], 3)
+        assert pool.result(job) == [zlib.crc32(data[a : a + n]) for a, n in spans]
+        if not threads_run:
+            free.set()
+            assert all(b.result(timeout=10) for b in busy)
+        pool.shutdown()
+    assert bytes(out.numpy()) == data[:3_000_000]
+
+
+def test_a_thread_copies_a_whole_file_while_the_loader_holds_the_gil(tmp_path: Path) -> None:
+    """The thread copying a file takes the GIL back only when no span is left (one native call,
+    not one job of a few spans after another): a loader holding the GIL meanwhile, as one
+    unpickling does, does not stop it. Once the first span is copied, the test holds the GIL in
+    a busy loop (no switch for 10 s) until the last one is; 8 MiB jobs (before) stalled at the
+    first job's end."""
+    import torch
+
+    from ds_zero._read_checks import shared_copy
+
+    _copy_kernel()
+    path = tmp_path / "model.pt"
+    path.write_bytes(bytes([1]) * (40 << 20))
+    spans = [(i << 20, 1 << 20) for i in range(40)]
+    out = torch.zeros(40 << 20, dtype=torch.uint8)
+    last = out.numpy()  # read without torch, whose calls release the GIL
+    pool = HelpedPool(threads=1)
+    pool.result(pool.submit(int))  # the thread is up
+    old = sys.getswitchinterval()
+    with MappedFile(path) as mapped:
+        sys.setswitchinterval(10.0)
+        try:
+            job = shared_copy(pool, mapped, spans, [(out, range(40), [a for a, _ in spans])], 1)
+            deadline = time.perf_counter() + 5.0
+            while last[(1 << 20) - 1] == 0 and time.perf_counter() < deadline:
+                time.sleep(1e-4)  # lets the GIL go: the thread starts, and copies a first span
+            while last[-1] == 0 and time.perf_counter() < deadline:
+                pass  # holds the GIL
+            copied = bool(last[-1] == 1)
+        finally:
+            sys.setswitchinterval(old)
+        pool.result(job)
+        pool.shutdown()
+    assert copied
+
+
+def test_a_shared_copy_of_a_file_shorter_than_its_spans_fails_when_asked(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """Not when the copying is set up (on the loader's path, before its read): its result is
+    the error, as a hashing job's is, told at the verdict."""
+    import torch
+
+    from ds_zero._read_checks import shared_copy
+
+    _copy_kernel()
+    path, data = data_file
+    out = torch.zeros(100, dtype=torch.uint8)
+    pool = HelpedPool(threads=1)
+    with MappedFile(path) as mapped:
+        job = shared_copy(pool, mapped, [(len(data) - 10, 100)], [(out, [0], [0])], 1)
+        with pytest.raises(ValueError, match=f"{path.name} is shorter than its record"):
+            pool.result(job)
+    pool.shutdown()

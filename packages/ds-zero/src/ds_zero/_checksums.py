@@ -19,7 +19,6 @@ beside the loader's unpickling as alone, and in one call no longer.
 
 from __future__ import annotations
 
-import inspect
 import mmap
 import os
 import zlib
@@ -55,20 +54,19 @@ except ImportError:  # ds-native absent, or a release without crc32_spans
     _crc32_spans = _spans_each
 
 try:  # spans copied out and hashed as copied, in one pass (see [Note: copying while verifying])
-    from ds_native import crc32_copy_spans as _crc32_copy_spans
-except ImportError:  # ds-native absent, or a release without crc32_copy_spans
-    _crc32_copy_spans = None
-if _crc32_copy_spans is not None and "at" not in inspect.signature(_crc32_copy_spans).parameters:
-    _crc32_copy_spans = None  # a release before at=: one destination per tensor, checked each
+    from ds_native import Crc32CopyJob as _Crc32CopyJob
+except ImportError:  # ds-native absent, or a release without the shared copying job
+    _Crc32CopyJob = None
 
-COPY_KERNEL = _crc32_copy_spans is not None
-"""Whether :meth:`MappedFile.copy_crcs` runs ds-native's one-pass kernel (without it, copying
+COPY_KERNEL = _Crc32CopyJob is not None
+"""Whether :meth:`MappedFile.copy_job` runs ds-native's one-pass kernel (without it, copying
 while hashing saves nothing, and nothing is copied ahead)."""
 
 __all__ = [
     "CHUNK",
     "COPY_KERNEL",
     "ChunkedCrcWriter",
+    "FileCopy",
     "MappedFile",
     "chunks",
     "crc32",
@@ -194,6 +192,7 @@ class MappedFile:
             self.size = st.st_size
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self._copying: FileCopy | None = None
 
     def crcs(self, spans: Sequence[tuple[int, int]]) -> list[int]:
         """The CRC-32 of each ``(start, length)`` span. Raises ValueError for a file shorter
@@ -208,37 +207,42 @@ class MappedFile:
         self._check(spans)
         return _crc32_spans(self._view, spans, chained=True)[-1] if spans else 0
 
-    def copy_crcs(
+    def copy_job(
         self,
         spans: Sequence[tuple[int, int]],
         places: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
-    ) -> list[int]:
-        """Copy each span into its destination and give the CRC-32 of each as copied, in one
-        pass over the file's pages: ``places`` gives each destination (a contiguous CPU
-        tensor's bytes), the indices in ``spans`` of the spans it takes and their byte offsets
-        in it (one kernel call a destination). The CRC-32s are in the order of ``spans``.
-        Raises ValueError for a file shorter than the spans, or without ds-native's kernel
-        (see :data:`COPY_KERNEL`)."""
+    ) -> FileCopy:
+        """The copying of each span into its destination, hashed as copied, as one job any
+        number of threads run together (see :class:`FileCopy`): ``places`` gives each
+        destination (a contiguous CPU tensor's bytes), the indices in ``spans`` of the spans it
+        takes and their byte offsets in it. Raises ValueError for a file shorter than the
+        spans, or without ds-native's kernel (see :data:`COPY_KERNEL`)."""
         self._check(spans)
-        if _crc32_copy_spans is None:
-            raise ValueError(
-                "copy_crcs needs ds-native's crc32_copy_spans(at=...); upgrade ds-native"
-            )
-        if len(places) == 1:  # every span to one destination, in order
-            return _crc32_copy_spans(self._view, spans, places[0][0], at=places[0][2])
-        crcs = [0] * len(spans)
-        for out, indices, at in places:
-            subset = [spans[i] for i in indices]
-            for i, crc in zip(indices, _crc32_copy_spans(self._view, subset, out, at=at)):
-                crcs[i] = crc
-        return crcs
+        if _Crc32CopyJob is None:
+            raise ValueError("copy_job needs ds-native's Crc32CopyJob; upgrade ds-native")
+        assert self._copying is None, "one copying job a mapping at a time"
+        self._copying = FileCopy(self._view, spans, places)
+        return self._copying
+
+    def stop_copying(self) -> None:
+        """Leave the spans of :meth:`copy_job` no thread has taken yet uncopied."""
+        if self._copying is not None:
+            self._copying.stop()
 
     def _check(self, spans: Sequence[tuple[int, int]]) -> None:
         last = max((start + length for start, length in spans), default=0)
         if last > self.size:
             raise ValueError(f"{self.path} is shorter than its record ({self.size} < {last})")
 
+    def end_copying(self) -> None:
+        """Let go of :meth:`copy_job`'s buffers (once no thread runs it)."""
+        if self._copying is not None:
+            self._copying.close()
+            self._copying = None
+
     def close(self) -> None:
+        """Unmap the file (its copying job ended first: once no thread runs that)."""
+        self.end_copying()
         self._view.release()
         if self._map is not None:
             self._map.close()
@@ -248,6 +252,56 @@ class MappedFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class FileCopy:
+    """Spans of a mapped file copied into their destinations and hashed as copied, shared by
+    every thread that calls :meth:`run` (ds-native's ``Crc32CopyJob``, one per destination):
+    a checksum thread copies from the start of a load, one native call that takes the GIL back
+    only at its end, and the loader shares what is left at the verdict (see ds-zero's [Note:
+    jobs hashing ahead]). Made by :meth:`MappedFile.copy_job`; close it once no thread runs
+    it (:meth:`MappedFile.close` does)."""
+
+    def __init__(
+        self,
+        view: memoryview,
+        spans: Sequence[tuple[int, int]],
+        places: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
+    ) -> None:
+        assert _Crc32CopyJob is not None
+        self._count = len(spans)
+        self._parts: list[tuple[Sequence[int], Any]] = []
+        try:
+            for out, indices, at in places:
+                part = _Crc32CopyJob(view, [spans[i] for i in indices], out, at=list(at))
+                self._parts.append((indices, part))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self) -> None:
+        """Copy and hash the spans no caller has taken yet (from any thread)."""
+        for _, part in self._parts:
+            part.run()
+
+    def stop(self) -> None:
+        """Leave the spans no caller has taken yet uncopied (the load is over)."""
+        for _, part in self._parts:
+            part.stop()
+
+    def crcs(self) -> list[int]:
+        """The CRC-32 of each span as copied, in the order of the spans, once every
+        :meth:`run` has returned."""
+        crcs = [0] * self._count
+        for indices, part in self._parts:
+            for i, crc in zip(indices, part.crcs()):
+                crcs[i] = crc
+        return crcs
+
+    def close(self) -> None:
+        """Let go of the file's buffer and the destinations (no :meth:`run` under way)."""
+        for _, part in self._parts:
+            part.close()
 
 
 def crc_ranges(jobs: Sequence[tuple[Path, int, int]]) -> list[int]:

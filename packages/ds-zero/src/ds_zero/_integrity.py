@@ -150,6 +150,7 @@ from ds_zero._read_checks import (
     loaded_matches,
     partial_problem,
     read_parts,
+    shared_copy,
     tensor_crcs,
     walk,
     wanted_tensors,
@@ -358,6 +359,8 @@ class PendingVerification:
         self._deferred = [n for n in self._deferred if not dropped(n)]
         self._here = [n for n in self._here if not dropped(n)]
         self._copies = {n: c for n, c in self._copies.items() if not dropped(n)}
+        for name in [n for n in self._mapped if dropped(n)]:
+            self._mapped[name].stop_copying()
 
     def reads_only(self, folder: Path, names: Collection[str]) -> None:
         """The load reads, of the files under ``folder`` (a path under the directory), only
@@ -453,12 +456,11 @@ class PendingVerification:
         meta = {n: (str(entries[n]["dtype"]), list(entries[n]["shape"])) for n in order}
         spans = [(int(entries[n]["offset"]), int(entries[n]["nbytes"])) for n in order]
         # See [Note: jobs hashing ahead] for how the ranges are split among the threads.
-        runs = ahead_jobs(spans, self._threads, copying=copies is not None)
         if copies is None:
-            jobs = [self._pool.submit(mapped.crcs, run) for run in runs]
+            jobs = [self._pool.submit(mapped.crcs, run) for run in ahead_jobs(spans, self._threads)]
         else:  # copied out as hashed (see [Note: copying while verifying])
             self._copies[name] = copies
-            jobs = [self._pool.submit(mapped.copy_crcs, r, copies.next_run(r)) for r in runs]
+            jobs = [shared_copy(self._pool, mapped, spans, copies.next_run(spans), self._threads)]
         # The bytes between the tensors (a few hundred small spans), through the mapping in one
         # native call. A shard file hashed ahead (``if_cached``) has them in the page cache when
         # its tensors are, and from a cold disk its copying jobs, queued before this one, read
@@ -699,9 +701,13 @@ class PendingVerification:
 
     def _stop(self) -> None:
         """Stop the checksum threads: no job runs any more, and the loader's tensors are let go."""
+        for mapped in self._mapped.values():
+            mapped.stop_copying()  # a thread copying returns after its span
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        for mapped in self._mapped.values():
+            mapped.end_copying()  # lets go of the destinations (a copy buffer to keep)
         self._loaded.clear()  # it holds the loader's tensors
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ds_zero._checksums import chunks, spans_crc
+from ds_zero._checksums import FileCopy, MappedFile, chunks, spans_crc
 from ds_zero._checksums import crc32 as _crc32
 from ds_zero._sealed import CheckpointError
 from ds_zero._workers import Workers
@@ -50,6 +50,7 @@ __all__ = [
     "partial_problem",
     "read_parts",
     "runs",
+    "shared_copy",
     "spans_crc",
     "tensor_crcs",
     "walk",
@@ -198,33 +199,22 @@ def runs(
 #   read-ahead skipped for pages already in memory ([Note: read-ahead of mapped shards]), that
 #   load's verification overhead went from +7.1% to +4.6% on an idle 16-core host (three
 #   processes each; the two changes were not measured apart there).
-# - A job that also copies the bytes out (ds-zero's [Note: copying while verifying]) costs
-#   about four times the hashing a byte: 40 MB of masters, one job, took its thread 14-19 ms
-#   on the idle 16-core host (copied into fresh huge pages), while the loader, left nothing to
-#   copy itself, waited 4-12 ms for it at the verdict. Such jobs are no smaller than
-#   _AHEAD_COPY_JOB, again about 4 ms of work: the 40 MB are five jobs on the host's eight
-#   threads. Two threads of the 2-core VM copied and hashed the 40 MB in 10 ms as two jobs,
-#   18.5 ms as one.
-# - Copying jobs are no larger than _AHEAD_COPY_JOB either, whatever the number of threads: a
-#   load that copies waits for those copies at the verdict with nothing else to do, so its
-#   loading thread takes the jobs no thread has started. A 2-core machine's one thread had
-#   the 42 MB of a 10M-parameter model file as one job, which the loader, done reading the
-#   file's structure after 3 ms, waited 9.0 ms for; as five jobs the two cores share them and
-#   the wait was 6.3 ms (``checkpoint_verify.py --params 10 --stage 2 --no-optimizer-states
-#   --phases --mapped-baseline``, the 2-core VM). The host already had five.
+# A file copied out as it is hashed (ds-zero's [Note: copying while verifying]) costs about
+# four times the hashing a byte, and the loader, left nothing to copy itself, waits for it at
+# the verdict. It was split into jobs of 8 MiB, so that the waiting loader could take those no
+# thread had started; but each job's end took the GIL back from the loader, and the Python
+# between two jobs waited for it too: on the 2-core VM the first 8 MB job of a 40 MB model file
+# ran 1.2 ms of copying in 3-4 ms while the loader unpickled. The copying is now one job
+# shared by every thread and the loader (ds-native's Crc32CopyJob, see [Note: spans shared
+# among threads] in its csrc/crc32.c): each thread runs it from the start in one native call,
+# taking spans (tensors) until none is left, and the loader at the verdict takes the spans no
+# thread has, then waits for those being copied (:func:`shared_copy`).
 _AHEAD_JOB = 48 << 20
-_AHEAD_COPY_JOB = 8 << 20
 
 
-def ahead_jobs(
-    spans: Sequence[tuple[int, int]], threads: int, *, copying: bool = False
-) -> list[list[tuple[int, int]]]:
+def ahead_jobs(spans: Sequence[tuple[int, int]], threads: int) -> list[list[tuple[int, int]]]:
     """``(offset, bytes)`` spans of a file in runs, one job each, for ``threads`` checksum
-    threads hashing it ahead of the loader, and copying it out if ``copying`` (jobs of
-    :data:`_AHEAD_COPY_JOB` then, which the waiting loader shares; see [Note: jobs hashing
-    ahead])."""
-    if copying:
-        return runs(spans, lambda span: span[1], _AHEAD_COPY_JOB)
+    threads hashing it ahead of the loader (see [Note: jobs hashing ahead])."""
     share = sum(n for _, n in spans) // max(1, threads)
     return runs(spans, lambda span: span[1], max(share, _AHEAD_JOB))
 
@@ -375,6 +365,36 @@ class HelpedPool:
         wait(running)
         self._specs.clear()
         self._taken.clear()
+
+
+def shared_copy(
+    pool: HelpedPool,
+    mapped: MappedFile,
+    spans: Sequence[tuple[int, int]],
+    places: Sequence[tuple[torch.Tensor, Sequence[int], Sequence[int]]],
+    threads: int,
+) -> Future[list[int]]:
+    """The job giving the CRC-32s of ``mapped``'s spans copied into ``places`` (see
+    :meth:`MappedFile.copy_job`): ``threads`` checksum threads copy from now on, and the loader,
+    when it asks (or helps at the verdict), copies the spans none has taken yet, then waits for
+    those still being copied (see [Note: jobs hashing ahead]). A file shorter than the spans
+    is the job's error, as a hashing job's is."""
+    job: Future[list[int]] = Future()
+    try:
+        copying = mapped.copy_job(spans, places)
+    except ValueError as exc:
+        job.set_exception(exc)
+        return job
+    helpers = [pool.submit(copying.run) for _ in range(threads)]
+    return pool.defer(_copied, copying, helpers)
+
+
+def _copied(copying: FileCopy, helpers: Sequence[Future[None]]) -> list[int]:
+    copying.run()
+    for helper in helpers:
+        if not helper.cancel():  # started: wait for the span it is copying
+            helper.result()
+    return copying.crcs()
 
 
 def _run_spec(spec: list[Any]) -> Any:
