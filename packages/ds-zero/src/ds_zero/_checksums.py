@@ -229,16 +229,16 @@ class MappedFile:
         if self._copying is not None:
             self._copying.stop()
 
-    def _check(self, spans: Sequence[tuple[int, int]]) -> None:
-        last = max((start + length for start, length in spans), default=0)
-        if last > self.size:
-            raise ValueError(f"{self.path} is shorter than its record ({self.size} < {last})")
-
     def end_copying(self) -> None:
         """Let go of :meth:`copy_job`'s buffers (once no thread runs it)."""
         if self._copying is not None:
             self._copying.close()
             self._copying = None
+
+    def _check(self, spans: Sequence[tuple[int, int]]) -> None:
+        last = max((start + length for start, length in spans), default=0)
+        if last > self.size:
+            raise ValueError(f"{self.path} is shorter than its record ({self.size} < {last})")
 
     def close(self) -> None:
         """Unmap the file (its copying job ended first: once no thread runs that)."""
