@@ -211,8 +211,10 @@ def test_the_weights_come_from_the_copies_and_equal_the_saved_ones(
     from ds_zero._verified_copies import huge_pages_offered
 
     before, first, second = (set(k) for k in copying["kept"])
-    if huge_pages_offered():  # the first load's buffer, kept and lent to the second
-        assert len(first - before) == 1 and second == first
+    if huge_pages_offered():  # the first load's buffer, kept and lent to the second (the
+        # worker process may keep one from an earlier test, which the first load then reuses)
+        assert len(first - before) == 1 or (before and first == before)
+        assert second == first
     else:  # torch.empty's memory: nothing to keep
         assert before == first == second
 
