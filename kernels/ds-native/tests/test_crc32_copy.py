@@ -229,8 +229,7 @@ def test_a_job_takes_the_gil_back_only_when_no_span_is_left() -> None:
     does: checked)."""
     spans = [(i << 20, 1 << 20) for i in range(64)]
     data = bytes([1]) * (64 << 20)
-    out = torch.zeros(64 << 20, dtype=torch.uint8)
-    last = out.numpy()  # read without torch, whose calls release the GIL
+    out = bytearray(64 << 20)  # read in Python, holding the GIL (torch's calls release it)
     places = [a for a, _ in spans]
     old = sys.getswitchinterval()
     sys.setswitchinterval(10.0)  # the GIL changes hands only when its holder gives it up
@@ -239,9 +238,9 @@ def test_a_job_takes_the_gil_back_only_when_no_span_is_left() -> None:
             helper = threading.Thread(target=job.run)
             helper.start()
             deadline = time.perf_counter() + 5.0
-            while last[-1] == 0 and time.perf_counter() < deadline:
+            while out[-1] == 0 and time.perf_counter() < deadline:
                 pass  # holds the GIL: no switch for 10 s
-            copied = bool(last[-1] == 1)
+            copied = out[-1] == 1
             helper.join()
     finally:
         sys.setswitchinterval(old)
