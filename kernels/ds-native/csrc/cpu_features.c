@@ -10,11 +10,12 @@
 /* [Note: cpuid asked once]
  * The kernels ask whether the CPU runs a code path on every call that names one, and the copying
  * CRC kernel once per 64 KiB block. libgcc's __builtin_cpu_supports reads answers it keeps; the
- * bits the kernels read themselves (VPCLMULQDQ, F16C) came from the cpuid instruction, which a virtual
- * machine traps to its hypervisor: about 3 us a call on the 2-core development VM, against 0.5 us
- * to hash 4 KiB. Copying and hashing a 40 MB file (640 blocks) ran at 7.6 ms there, against 2.4 ms
- * for the copy and 2.2 ms for the CRC-32 apart. So each leaf's ECX is kept once asked; a race on
- * first use is benign, as every thread finds the same value.
+ * bits the kernels read themselves (VPCLMULQDQ, F16C) came from the cpuid instruction, which a
+ * virtual machine traps to its hypervisor: about 3 us a call on the 2-core development VM,
+ * against 0.5 us to hash 4 KiB. Copying and hashing a 40 MB file (640 blocks) took 6.9 ms there,
+ * against 6.1 ms for a copy alone (tools/bench/crc32.py, one torch thread); it now takes 5.5 ms.
+ * So each leaf's ECX is kept once asked; a race on first use is benign, as every thread finds the
+ * same value.
  */
 #define CPUID_LEAVES 8
 
