@@ -169,14 +169,13 @@ def test_the_gil_is_released_while_copying() -> None:
     assert ran < returned[0]
 
 
-def _native_or_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(params=["native", "python"])
+def native_or_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernel, or the copies by Python and zlib (the extension made absent)."""
     if request.param == "python":
         monkeypatch.setattr(_ext, "EXTENSION", NativeExtension(unavailable_reason="test"))
     elif not ds_native.native_available():
         pytest.skip("no C extension")
-
-
-native_or_python = pytest.fixture(params=["native", "python"])(_native_or_python)
 
 
 @pytest.mark.usefixtures("native_or_python")

@@ -353,16 +353,23 @@ class HelpedPool:
         # is cancelled), as a Future's result does
         return self._taken.get(job, job).result()
 
+    def settle(self, jobs: Sequence[Future[Any]]) -> list[Future[Any]]:
+        """Drop those of ``jobs`` no thread has started (letting go of their arguments) and
+        return the others, started or done."""
+        started = []
+        for job in jobs:
+            spec = self._specs.get(job)
+            if job.cancel():
+                if spec is not None:
+                    spec.clear()
+            else:
+                started.append(job)
+        return started
+
     def shutdown(self) -> None:
         """Drop the jobs no thread has started, wait for the started ones, and let go of the
         jobs' arguments (the loader's tensors). The threads stay for the next verification."""
-        running = []
-        for job, spec in self._specs.items():
-            if job.cancel():
-                spec.clear()
-            else:
-                running.append(job)
-        wait(running)
+        wait(self.settle(list(self._specs)))
         self._specs.clear()
         self._taken.clear()
 
@@ -386,14 +393,13 @@ def shared_copy(
         job.set_exception(exc)
         return job
     helpers = [pool.submit(copying.run) for _ in range(threads)]
-    return pool.defer(_copied, copying, helpers)
+    return pool.defer(_copied, pool, copying, helpers)
 
 
-def _copied(copying: FileCopy, helpers: Sequence[Future[None]]) -> list[int]:
+def _copied(pool: HelpedPool, copying: FileCopy, helpers: Sequence[Future[None]]) -> list[int]:
     copying.run()
-    for helper in helpers:
-        if not helper.cancel():  # started: wait for the span it is copying
-            helper.result()
+    for helper in pool.settle(helpers):  # started: wait for the span it is copying
+        helper.result()
     return copying.crcs()
 
 
